@@ -1,0 +1,76 @@
+"""Real megatron-core building blocks for the tests: Gloo groups, tiny models, round trips."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import version
+
+MODE = os.environ.get("MCORE_CPU_SHIM_MODE", "shim")
+MCORE_VERSION = tuple(int(p) for p in version("megatron-core").split(".")[:2])
+
+
+def expected_state():
+    """The state every fix that concerns this megatron-core must report in this mode."""
+    return {"shim": "applied", "patched+shim": "upstream-fixed", "patched": "disabled"}[MODE]
+
+
+def init_gloo(store_dir, rank=0, world_size=1, expert_parallel=1):
+    """A real Gloo process group over a file store, and megatron's parallel state on it."""
+    import torch
+    from megatron.core import parallel_state
+
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world_size
+    )
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=expert_parallel)
+
+
+def tiny_gpt(seed, **config):
+    """A 2-layer local-spec GPTModel built on the CPU."""
+    import torch
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    settings = dict(num_layers=2, hidden_size=32, num_attention_heads=4)
+    settings.update(config)
+    cfg = TransformerConfig(use_cpu_initialization=True, params_dtype=torch.float32, **settings)
+    spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts)
+    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=16)
+
+
+def tensors(module):
+    return {k: v for k, v in module.state_dict().items() if hasattr(v, "shape")}
+
+
+def save_and_reload(model, fresh, checkpoint_dir):
+    """Save ``model`` as torch_dist, load it into ``fresh``; return ``fresh``."""
+    from megatron.core import dist_checkpointing
+
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(model.sharded_state_dict(), str(checkpoint_dir))
+    loaded = dist_checkpointing.load(fresh.sharded_state_dict(), str(checkpoint_dir))
+    fresh.load_state_dict(loaded)
+    return fresh
+
+
+def assert_same_tensors(expected, actual):
+    import torch
+
+    assert expected.keys() == actual.keys()
+    differing = [k for k in expected if not torch.equal(expected[k], actual[k])]
+    assert not differing, f"tensors differ after reload: {differing}"
+
+
+def run_python(code, **env):
+    """Run ``code`` in a fresh interpreter with this environment plus ``env``."""
+    full_env = dict(os.environ, **env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
