@@ -46,6 +46,10 @@ MARKER = "__mcore_cpu_shim__"
 # The import name of this copy: "mcore_cpu_shim", or e.g. "bridge._vendor.mcore_cpu_shim".
 PACKAGE = __name__.rpartition(".")[0]
 
+# The fingerprint of a method a class does not define itself (it inherits it): a fix that
+# adds an override lists INHERITED among its known_buggy shapes.
+INHERITED = "inherited"
+
 PENDING = "pending"  # the target's module has not been imported yet
 APPLIED = "applied"
 UPSTREAM_FIXED = "upstream-fixed"
@@ -161,13 +165,16 @@ def _decide(fix: Fix, target: Target, module: types.ModuleType) -> Tuple[str, st
         if marker["package"] == PACKAGE and marker["version"] == __version__:
             return APPLIED, "already applied"
         return APPLIED, f"applied by another copy: {marker['package']} {marker['version']}"
-    try:
-        source = normalised_source(original)
-    except (OSError, TypeError, SyntaxError) as exc:
-        return UNSUPPORTED, f"cannot read the source of {target.name}: {exc}"
+    if isinstance(owner, type) and name not in vars(owner):
+        source, fp = "", INHERITED
+    else:
+        try:
+            source = normalised_source(original)
+        except (OSError, TypeError, SyntaxError) as exc:
+            return UNSUPPORTED, f"cannot read the source of {target.name}: {exc}"
+        fp = fingerprint(source)
     if target.feature is not None and target.feature not in source:
         return NOT_APPLICABLE, f"this megatron-core has no {target.feature!r} in {target.qualname}"
-    fp = fingerprint(source)
     if fp in target.known_buggy:
         new = functools.update_wrapper(target.replacement(original, module), original)
         setattr(new, MARKER, {"fix": fix.name, "package": PACKAGE, "version": __version__})
