@@ -92,7 +92,10 @@ def test_failed_write_raises_and_leaves_no_complete_checkpoint(tmp_path, forbid_
     monkeypatch.setattr(filesystem_async, "_write_item", disk_full)
 
     (tmp_path / "ckpt").mkdir()
-    with pytest.raises(CheckpointException, match="No space left on device"):
+    # 0.13 raises a local worker failure right away (RuntimeError "Worker failure: ..."),
+    # later releases gather it from every rank and raise CheckpointException.
+    expected = RuntimeError if MCORE_VERSION < (0, 14) else CheckpointException
+    with pytest.raises(expected, match="Worker failure: .*(No space left on device|OSError)"):
         dist_checkpointing.save(model.sharded_state_dict(), str(tmp_path / "ckpt"))
 
     assert not (tmp_path / "ckpt" / ".metadata").exists()

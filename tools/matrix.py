@@ -1,11 +1,17 @@
 """The megatron-core version matrix, run by tox (one virtualenv per Python, see tox.ini).
 
 python tools/matrix.py test VERSION... [-- PYTEST_ARGS]
-    for each release: install it without dependencies into .mcore/<version> (reused when
-    present), record the shim's fix states into .matrix/<version>.json, run pytest with the
-    release on PYTHONPATH. Exits non-zero if any release failed.
+    For each release: install it without dependencies into .mcore/<version> (reused when
+    present) and run the test suite in every delivery mode it supports:
+      shim          unmodified megatron-core + the shim
+      patched       megatron-core with patches/series applied, shim disabled (MCORE_CPU_SHIM_DISABLE=all)
+      patched+shim  the same patched tree with the shim active: it must stand down
+    The patched modes run where every patch applies (.mcore/<version>-patched, which also
+    holds the megatron unit tests the patches add; those run in the patched modes too).
+    Fix states, patch results and mode results go to .matrix/<version>.json.
+    Exits non-zero if any run failed.
 python tools/matrix.py report
-    print one table of fix states from every .matrix/*.json (rows: fixes, columns: releases).
+    Print the tables (fix states, patches, modes) from every .matrix/*.json.
 """
 
 import json
@@ -16,24 +22,30 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+PATCHES = ROOT / "patches"
 OVERLAYS = ROOT / ".mcore"
-STATES = ROOT / ".matrix"
+RESULTS = ROOT / ".matrix"
+MODES = ("shim", "patched", "patched+shim")
 
-RECORD = """
-import importlib, json, sys
+RECORD_STATES = """
+import importlib, json
 import mcore_cpu_shim
-from mcore_cpu_shim._engine import mcore_version
 for fix in mcore_cpu_shim.status().values():
     for target in fix["targets"]:
         try:
             importlib.import_module(target.split(":")[0])
         except ImportError:
             pass  # stays "pending": this release has no such module
-print(json.dumps({"mcore": mcore_version(), "status": mcore_cpu_shim.status()}, indent=1))
+print(json.dumps({name: fix["state"] for name, fix in mcore_cpu_shim.status().items()}))
 """
 
 
-def overlay(version: str) -> Path:
+def series():
+    lines = (PATCHES / "series").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def overlay(version):
     target = OVERLAYS / version
     if not (target / f"megatron_core-{version}.dist-info").is_dir():
         shutil.rmtree(target, ignore_errors=True)
@@ -45,44 +57,99 @@ def overlay(version: str) -> Path:
     return target
 
 
-def test(versions, pytest_args) -> int:
-    failed = []
-    for version in versions:
-        env = dict(os.environ, PYTHONPATH=str(overlay(version)))
-        print(f"\n===== megatron-core {version} (Python {sys.version.split()[0]}) =====", flush=True)
-        states = subprocess.run([sys.executable, "-c", RECORD], env=env, capture_output=True, text=True)
-        if states.returncode != 0:
-            print(states.stderr)
-            failed.append(f"{version} (fix states)")
+def git_apply(tree, patch, check):
+    """git apply inside ``tree`` as a plain folder (never the repository around it)."""
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.parent))
+    args = ["git", "apply", *(["--check"] if check else []), str(PATCHES / patch)]
+    return subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True)
+
+
+def patched_overlay(version, plain):
+    """A copy of the release with every patch applied in order; per patch: applies or not."""
+    tree = OVERLAYS / f"{version}-patched"
+    shutil.rmtree(tree, ignore_errors=True)
+    shutil.copytree(plain, tree, ignore=shutil.ignore_patterns("__pycache__"))
+    results = {}
+    for patch in series():
+        if git_apply(tree, patch, check=True).returncode == 0:
+            git_apply(tree, patch, check=False).check_returncode()
+            results[patch] = "applies"
         else:
-            STATES.mkdir(exist_ok=True)
-            (STATES / f"{version}.json").write_text(states.stdout)
-        if subprocess.run([sys.executable, "-m", "pytest", *pytest_args], env=env, cwd=ROOT).returncode:
-            failed.append(version)
-    print(f"\nmatrix on Python {sys.version.split()[0]}: {len(versions) - len(failed)} of "
-          f"{len(versions)} releases green" + (f"; failed: {', '.join(failed)}" if failed else ""))
+            results[patch] = "needs rebase"
+    return tree, results
+
+
+def run_mode(mode, tree, pytest_args):
+    env = dict(os.environ, PYTHONPATH=str(tree), MCORE_CPU_SHIM_MODE=mode)
+    env.pop("MCORE_CPU_SHIM_DISABLE", None)
+    if mode == "patched":
+        env["MCORE_CPU_SHIM_DISABLE"] = "all"
+    states = subprocess.run(
+        [sys.executable, "-c", RECORD_STATES], env=env, cwd=ROOT, capture_output=True, text=True
+    )
+    if states.returncode != 0:
+        print(states.stderr)
+    paths = ["tests"]
+    if mode != "shim" and (tree / "tests" / "unit_tests").is_dir():
+        paths.append(str(tree / "tests" / "unit_tests"))  # the tests the patches add upstream
+    print(f"\n----- mode {mode}: pytest {' '.join(paths)} -----", flush=True)
+    code = subprocess.run([sys.executable, "-m", "pytest", *paths, *pytest_args], env=env, cwd=ROOT).returncode
+    ok = states.returncode == 0 and code == 0
+    return ok, (json.loads(states.stdout) if states.returncode == 0 else {})
+
+
+def test(versions, pytest_args):
+    failed = []
+    RESULTS.mkdir(exist_ok=True)
+    for version in versions:
+        print(f"\n===== megatron-core {version} (Python {sys.version.split()[0]}) =====", flush=True)
+        plain = overlay(version)
+        patched, patches = patched_overlay(version, plain)
+        record = {"mcore": version, "patches": patches, "modes": {}, "states": {}}
+        for mode in MODES:
+            if mode != "shim" and "needs rebase" in patches.values():
+                record["modes"][mode] = "not run (a patch needs rebase)"
+                continue
+            ok, states = run_mode(mode, plain if mode == "shim" else patched, pytest_args)
+            record["modes"][mode] = "passed" if ok else "FAILED"
+            record["states"][mode] = states
+            if not ok:
+                failed.append(f"{version} {mode}")
+        (RESULTS / f"{version}.json").write_text(json.dumps(record, indent=1))
+    print(f"\nmatrix on Python {sys.version.split()[0]}: "
+          + (f"FAILED: {', '.join(failed)}" if failed else "all runs passed"))
     return 1 if failed else 0
 
 
-def report() -> int:
-    runs = [json.loads(p.read_text()) for p in sorted(STATES.glob("*.json"))]
-    if not runs:
-        print(f"no fix states recorded in {STATES}")
-        return 1
-    runs.sort(key=lambda r: tuple(int(x) for x in r["mcore"].split(".")[:3]))
-    fixes = list(runs[0]["status"])
-    header = ["fix \\ megatron-core"] + [r["mcore"] for r in runs]
-    rows = [[fix] + [r["status"].get(fix, {}).get("state", "-") for r in runs] for fix in fixes]
-    widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
+def table(title, header, rows):
+    widths = [max(len(str(row[i])) for row in [header] + rows) for i in range(len(header))]
 
     def line(cells):
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
 
-    print("\nFix state per megatron-core release (shim on unmodified megatron-core):")
+    print(f"\n{title}")
     print(line(header))
     print(line(["-" * w for w in widths]))
     for row in rows:
         print(line(row))
+
+
+def report():
+    runs = [json.loads(p.read_text()) for p in RESULTS.glob("*.json")]
+    if not runs:
+        print(f"no results in {RESULTS}")
+        return 1
+    runs.sort(key=lambda r: tuple(int(x) for x in r["mcore"].split(".")))
+    header = [""] + [r["mcore"] for r in runs]
+    fixes = sorted({fix for r in runs for fix in r["states"].get("shim", {})}, key=str)
+    table("Fix state per megatron-core release (mode shim: unmodified megatron-core + shim):",
+          ["fix"] + header[1:],
+          [[fix] + [r["states"].get("shim", {}).get(fix, "-") for r in runs] for fix in fixes])
+    patches = series()
+    table("Patches (git apply --check, in series order):", ["patch"] + header[1:],
+          [[p] + [r["patches"].get(p, "-") for r in runs] for p in patches])
+    table("Test runs per delivery mode:", ["mode"] + header[1:],
+          [[m] + [r["modes"].get(m, "-") for r in runs] for m in MODES])
     return 0
 
 
@@ -90,8 +157,5 @@ if __name__ == "__main__":
     command, *rest = sys.argv[1:]
     if command == "report":
         sys.exit(report())
-    versions, pytest_args = rest, []
-    if "--" in rest:
-        split = rest.index("--")
-        versions, pytest_args = rest[:split], rest[split + 1:]
-    sys.exit(test(versions, pytest_args))
+    split = rest.index("--") if "--" in rest else len(rest)
+    sys.exit(test(rest[:split], rest[split + 1:]))

@@ -34,7 +34,7 @@ def collective_device(group):
 
     if torch.distributed.get_backend(group) == torch.distributed.Backend.GLOO:
         return torch.device("cpu")
-    return torch.cuda.current_device()
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _preload_tensors(original, module):
@@ -196,7 +196,7 @@ FIX = Fix(
             module=f"{_STRATEGIES}.async_utils",
             qualname="TemporalAsyncCaller.schedule_async_call",
             known_buggy={"84d51cd83e75539a": "0.13.1-0.16.1", "54305b0f99de743a": "0.17.1-0.19.2"},
-            bug=("torch.cuda.synchronize()",),
+            bug=("start_sync = time()\ntorch.cuda.synchronize()",),
             replacement=_schedule_async_call,
         ),
         Target(

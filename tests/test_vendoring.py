@@ -1,0 +1,84 @@
+"""Vendoring: the package copied into another package's tree works under that name, and two
+copies in one process never wrap the same target twice."""
+
+import json
+import os
+import shutil
+
+import pytest
+from helpers import MODE, run_python
+from test_engine import PACKAGE_DIR
+
+pytestmark = [
+    pytest.mark.cuda_hidden,
+    pytest.mark.skipif(MODE != "shim", reason=f"mode {MODE}: vendoring is about the shim itself"),
+]
+
+
+def vendor(tmp_path, fixes_kept=None):
+    """Copy the package to tmp_path/bridge/_vendor/mcore_cpu_shim, as a downstream bridge would.
+
+    ``fixes_kept``: keep only the first N fixes, as an older copy that lacks the newer ones.
+    """
+    vendored = tmp_path / "bridge" / "_vendor" / "mcore_cpu_shim"
+    shutil.copytree(PACKAGE_DIR, vendored, ignore=shutil.ignore_patterns("__pycache__"))
+    for package in (tmp_path / "bridge", tmp_path / "bridge" / "_vendor"):
+        (package / "__init__.py").write_text("")
+    if fixes_kept is not None:
+        registry = vendored / "fixes" / "__init__.py"
+        registry.write_text(registry.read_text() + f"\nFIXES = FIXES[:{fixes_kept}]\n")
+    return os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+
+
+def test_vendored_copy_fixes_a_save(tmp_path):
+    result = run_python(
+        f"""
+        import json, pathlib
+        import bridge._vendor.mcore_cpu_shim as shim
+        from helpers import init_gloo, save_and_reload, tiny_gpt, tensors, assert_same_tensors
+        init_gloo({str(tmp_path)!r})
+        model = tiny_gpt(seed=1)
+        expected = tensors(model)
+        fresh = save_and_reload(model, tiny_gpt(seed=2), pathlib.Path({str(tmp_path / "ckpt")!r}))
+        assert_same_tensors(expected, tensors(fresh))
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync as W
+        marker = W.__dict__["preload_tensors"].__func__.__mcore_cpu_shim__
+        import sys
+        print(json.dumps({{"state": shim.status()["dcp_collective_device"]["state"],
+                          "owner": marker["package"], "top_level": "mcore_cpu_shim" in sys.modules}}))
+        """,
+        PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), vendor(tmp_path)]),
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"state": "applied", "owner": "bridge._vendor.mcore_cpu_shim", "top_level": False}
+
+
+def test_older_copy_first_then_newer_copy_adds_only_what_is_missing(tmp_path):
+    import mcore_cpu_shim
+
+    names = mcore_cpu_shim.fix_names()
+    result = run_python(
+        """
+        import importlib, json
+        import bridge._vendor.mcore_cpu_shim as old
+        import mcore_cpu_shim as new
+        for fix in new.status().values():
+            for target in fix["targets"]:
+                importlib.import_module(target.split(":")[0])
+        print(json.dumps({"old": old.status(), "new": new.status()}))
+        """,
+        PYTHONPATH=vendor(tmp_path, fixes_kept=1),
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert list(report["old"]) == [names[0]]
+    for name in names:
+        for target, state in report["new"][name]["targets"].items():
+            if state["state"] != "applied":
+                continue
+            if name == names[0]:  # the older copy got there first and owns it
+                assert state["detail"] == f"applied by another copy: bridge._vendor.mcore_cpu_shim {mcore_cpu_shim.__version__}"
+                assert report["old"][name]["targets"][target]["state"] == "applied"
+            else:  # the older copy lacks this fix: the newer one applies it itself
+                assert state["detail"].startswith("replaced"), (name, target, state)
