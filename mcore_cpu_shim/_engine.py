@@ -76,6 +76,9 @@ class Target:
     replacement: Callable[[Callable, types.ModuleType], Callable]
     # a snippet the target must contain for the fix to concern it at all
     feature: Optional[str] = None
+    # the releases that lack this symbol altogether (e.g. a method added later); where it is
+    # missing the target is not-applicable instead of unsupported
+    absent_in: Optional[str] = None
     state: str = PENDING
     detail: str = "module not imported yet"
 
@@ -158,6 +161,8 @@ def _decide(fix: Fix, target: Target, module: types.ModuleType) -> Tuple[str, st
         owner, name = _owner(module, target.qualname)
         raw = inspect.getattr_static(owner, name)
     except AttributeError:
+        if target.absent_in is not None:
+            return NOT_APPLICABLE, f"this megatron-core has no {target.qualname} (as {target.absent_in})"
         return UNSUPPORTED, f"{target.qualname} not found in {target.module}"
     original = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
     marker = getattr(original, MARKER, None)

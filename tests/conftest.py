@@ -1,12 +1,16 @@
 """Shared test setup: delivery mode, CUDA legs, and the forbid_cuda fixture.
 
 Every test runs in its own forked process (pytest-forked): CUDA visibility and patches are
-process-wide. Megatron-core is imported inside the tests, never at collection, so the parent
-process stays light and never touches CUDA.
+process-wide. tools/matrix.py runs the two legs as two sessions: ``-m cuda_hidden`` with
+``CUDA_VISIBLE_DEVICES=""`` for the whole session, and ``-m cuda_visible`` as the host is.
+In a hidden session the megatron-core modules every test needs are imported once here (no
+device can be seen, so nothing is cached about one), and each forked test starts with them.
 
-Modes (MCORE_CPU_SHIM_MODE): ``shim`` = unmodified megatron-core + the shim (default).
+Modes (MCORE_CPU_SHIM_MODE): ``shim`` = unmodified megatron-core + the shim (default),
+``patched`` = megatron-core with patches/ applied and the shim disabled, ``patched+shim``.
 """
 
+import importlib
 import os
 
 import pytest
@@ -16,6 +20,19 @@ SHIM_ACTIVE = MODE != "patched"
 
 if SHIM_ACTIVE:
     import mcore_cpu_shim  # noqa: F401  (activates the fixes before any megatron import)
+
+if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+    for name in (
+        "megatron.core.parallel_state",
+        "megatron.core.dist_checkpointing",
+        "megatron.core.models.gpt.gpt_model",
+        "megatron.core.models.gpt.gpt_layer_specs",
+        "megatron.core.transformer.transformer_config",
+    ):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # the tests that need it fail with the real error
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))

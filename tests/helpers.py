@@ -74,3 +74,76 @@ def run_python(code, **env):
         text=True,
         timeout=300,
     )
+
+
+def run_ranks(target, world_size, *args, timeout=300):
+    """Run ``target(rank, world_size, *args)`` in ``world_size`` fresh interpreters at once.
+
+    ``target`` is "module:function", a module importable from this directory (a test module);
+    ``args`` are strings. Every rank inherits this environment (so a cuda_hidden test's hidden
+    devices) and writes its output to a file, so a chatty rank cannot block on a full pipe.
+    Returns ``[(returncode, output), ...]`` in rank order. Once one rank fails the others are
+    killed (they would wait for it in a collective); if ranks are still running after
+    ``timeout`` seconds, all are killed and TimeoutError carries what each one wrote.
+    Each rank runs in its own session, so killing it also ends the processes it started.
+    """
+    import signal
+    import tempfile
+    import time
+
+    module, function = target.split(":")
+    bootstrap = (
+        "import importlib, sys; "
+        f"importlib.import_module({module!r}).{function}"
+        "(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:])"
+    )
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
+
+    def kill(process):
+        if process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+
+    ranks = []
+    try:
+        for rank in range(world_size):
+            log = tempfile.TemporaryFile(mode="w+")
+            command = [sys.executable, "-c", bootstrap, str(rank), str(world_size), *args]
+            process = subprocess.Popen(
+                command,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+            ranks.append((process, log))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            codes = [process.poll() for process, _ in ranks]
+            if None not in codes or any(code not in (None, 0) for code in codes):
+                break
+            time.sleep(0.2)
+        hung = [rank for rank, (process, _) in enumerate(ranks) if process.poll() is None]
+        timed_out = hung and all(process.poll() in (None, 0) for process, _ in ranks)
+        for process, _ in ranks:
+            kill(process)
+        results = []
+        for process, log in ranks:
+            log.seek(0)
+            results.append((process.returncode, log.read()))
+        if timed_out:
+            tails = "".join(
+                f"\n--- rank {rank} ---\n{output[-3000:]}" for rank, (_, output) in enumerate(results)
+            )
+            raise TimeoutError(f"ranks {hung} still running after {timeout} s, all killed{tails}")
+        return results
+    finally:
+        for process, log in ranks:
+            kill(process)
+            log.close()
