@@ -64,9 +64,19 @@ def assert_same_tensors(expected, actual):
     assert not differing, f"tensors differ after reload: {differing}"
 
 
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def with_tests_dir(pythonpath):
+    """``pythonpath`` with this folder first, so a child process can import these helpers."""
+    return os.pathsep.join(filter(None, [TESTS_DIR, pythonpath]))
+
+
 def run_python(code, **env):
-    """Run ``code`` in a fresh interpreter with this environment plus ``env``."""
+    """Run ``code`` in a fresh interpreter with this environment plus ``env`` (and this folder
+    on PYTHONPATH)."""
     full_env = dict(os.environ, **env)
+    full_env["PYTHONPATH"] = with_tests_dir(full_env.get("PYTHONPATH"))
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         env=full_env,
@@ -97,9 +107,7 @@ def run_ranks(target, world_size, *args, timeout=300):
         f"importlib.import_module({module!r}).{function}"
         "(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:])"
     )
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=path)
+    env = dict(os.environ, PYTHONPATH=with_tests_dir(os.environ.get("PYTHONPATH")))
 
     def kill(process):
         if process.poll() is None:
@@ -147,3 +155,18 @@ def run_ranks(target, world_size, *args, timeout=300):
         for process, log in ranks:
             kill(process)
             log.close()
+
+
+def run_without_fix(fix, code):
+    """Run ``code`` with ``fix`` switched off, which must make it fail; return its stderr.
+
+    Shows that the tests of a fix are real checks. Only in shim mode: patched megatron-core
+    has no unfixed code to run.
+    """
+    import pytest
+
+    if MODE != "shim":
+        pytest.skip(f"mode {MODE}: megatron-core is patched, there is no unfixed code to run")
+    result = run_python(code, MCORE_CPU_SHIM_DISABLE=fix)
+    assert result.returncode != 0, f"{fix} disabled, yet this ran:\n{code}"
+    return result.stderr

@@ -11,8 +11,8 @@ from helpers import (
     assert_same_tensors,
     expected_state,
     init_gloo,
-    run_python,
     run_ranks,
+    run_without_fix,
     save_and_reload,
     tensors,
     tiny_gpt,
@@ -198,27 +198,16 @@ def test_ep2_moe_model_round_trip(tmp_path):
 @pytest.mark.cuda_hidden
 def test_model_construction_fails_without_the_fix(tmp_path):
     """The tests above are real checks: unfixed megatron-core cannot build the dispatcher here."""
-    if MODE != "shim":
-        pytest.skip(f"mode {MODE}: megatron-core is patched, there is no unfixed code to run")
-    result = run_python(
+    stderr = run_without_fix(
+        FIX,
         f"""
         import mcore_cpu_shim
         from helpers import init_gloo, tiny_gpt
         init_gloo({str(tmp_path)!r})
         tiny_gpt(seed=1, **{MOE!r})
         """,
-        MCORE_CPU_SHIM_DISABLE=FIX,
-        PYTHONPATH=_with_tests_dir(),
     )
-    assert result.returncode != 0
-    assert "torch.cuda.Stream()" in result.stderr, result.stderr
-
-
-def _with_tests_dir():
-    import os
-
-    here = os.path.dirname(__file__)
-    return os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    assert "torch.cuda.Stream()" in stderr, stderr
 
 
 @pytest.mark.cuda_visible

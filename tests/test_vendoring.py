@@ -47,7 +47,7 @@ def test_vendored_copy_fixes_a_save(tmp_path):
         print(json.dumps({{"state": shim.status()["dcp_collective_device"]["state"],
                           "owner": marker["package"], "top_level": "mcore_cpu_shim" in sys.modules}}))
         """,
-        PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), vendor(tmp_path)]),
+        PYTHONPATH=vendor(tmp_path),
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])

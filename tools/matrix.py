@@ -12,6 +12,9 @@ python tools/matrix.py test VERSION... [-- PYTEST_ARGS]
     Exits non-zero if any run failed.
 python tools/matrix.py report
     Print the tables (fix states, patches, modes) from every .matrix/*.json.
+python tools/matrix.py patch VERSION
+    Only build .mcore/<version>-patched (the release's wheel + patches/series) and say, per
+    patch, whether it applies.
 """
 
 import json
@@ -168,5 +171,11 @@ if __name__ == "__main__":
     command, *rest = sys.argv[1:]
     if command == "report":
         sys.exit(report())
+    if command == "patch":
+        tree, results = patched_overlay(rest[0], overlay(rest[0]))
+        for patch, result in results.items():
+            print(f"{patch}: {result}")
+        print(tree)
+        sys.exit(0 if "needs rebase" not in results.values() else 1)
     split = rest.index("--") if "--" in rest else len(rest)
     sys.exit(test(rest[:split], rest[split + 1:]))
