@@ -12,6 +12,8 @@ Modes (MCORE_CPU_SHIM_MODE): ``shim`` = unmodified megatron-core + the shim (def
 
 import importlib
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -38,13 +40,29 @@ if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _devices_seen_by_a_fresh_interpreter():
+    """torch.cuda.device_count() in a child process (this one must not initialise CUDA before
+    forking the tests), or None if the probe itself failed."""
+    probe = "import torch; print(torch.cuda.device_count())"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    return int(result.stdout.split()[-1]) if result.returncode == 0 and result.stdout.split() else None
+
+
 def pytest_collection_modifyitems(config, items):
+    visible = []
     for item in items:
         if not str(item.path).startswith(HERE + os.sep):
             continue  # e.g. the megatron unit tests that patches/ adds, run in patched modes
         legs = {m.name for m in item.iter_markers()} & {"cuda_hidden", "cuda_visible"}
         if len(legs) != 1:
             raise pytest.UsageError(f"{item.nodeid}: mark it cuda_hidden or cuda_visible (exactly one)")
+        if legs == {"cuda_visible"}:
+            visible.append(item)
+    # Ask once per session, not in every forked test (each would import torch for it).
+    if visible and os.environ.get("CUDA_VISIBLE_DEVICES") != "" and _devices_seen_by_a_fresh_interpreter() == 0:
+        skip = pytest.mark.skip(reason="cuda_visible: needs a usable CUDA device; this host has none")
+        for item in visible:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

@@ -81,8 +81,25 @@ def test_import_after_megatron_patches_loaded_modules_and_their_imported_names()
         assert report["stale_holders"] == []
 
 
-@pytest.mark.parametrize("value", ["dcp_collective_device", "dcp-collective-device", "all", " all , "])
-def test_disable_switch_leaves_the_target_untouched(value):
+@pytest.mark.parametrize(
+    "value, disabled",
+    [
+        ("", set()),
+        ("dcp_collective_device", {"dcp_collective_device"}),
+        ("dcp-collective-device, yarn_rope_device", {"dcp_collective_device", "yarn_rope_device"}),
+        (" all , ", "every fix"),
+    ],
+)
+def test_disable_switch_spellings(value, disabled):
+    import mcore_cpu_shim
+    from mcore_cpu_shim._engine import parse_disabled
+
+    names = mcore_cpu_shim.fix_names()
+    expected = set(names) if disabled == "every fix" else disabled
+    assert parse_disabled(value, names) == expected
+
+
+def test_disable_switch_leaves_the_target_untouched():
     report = run_json(
         f"""
         import json
@@ -91,7 +108,7 @@ def test_disable_switch_leaves_the_target_untouched(value):
         print(json.dumps({{"state": mcore_cpu_shim.status()["dcp_collective_device"]["state"],
                           "marked": hasattr(preload, "__mcore_cpu_shim__")}}))
         """,
-        MCORE_CPU_SHIM_DISABLE=value,
+        MCORE_CPU_SHIM_DISABLE="dcp-collective-device",
     )
     assert report == {"state": "disabled", "marked": False}
 

@@ -29,6 +29,9 @@ PATCHES = ROOT / "patches"
 OVERLAYS = ROOT / ".mcore"
 RESULTS = ROOT / ".matrix"
 MODES = ("shim", "patched", "patched+shim")
+# Test processes per pytest session (pytest-xdist); most of a test's time is a child
+# interpreter importing torch and megatron, so this scales with the cores.
+WORKERS = ["-n", os.environ.get("MATRIX_WORKERS", str(min(4, os.cpu_count() or 1)))]
 
 RECORD_STATES = """
 import importlib, json
@@ -99,7 +102,7 @@ def run_mode(mode, tree, pytest_args):
         leg_paths = paths if leg == "cuda_hidden" else paths[:1]
         marker = f"{leg} or not cuda_visible" if leg == "cuda_hidden" else leg
         print(f"\n----- mode {mode}, {leg}: pytest {' '.join(leg_paths)} -----", flush=True)
-        command = [sys.executable, "-m", "pytest", "-m", marker, *leg_paths, *pytest_args]
+        command = [sys.executable, "-m", "pytest", *WORKERS, "-m", marker, *leg_paths, *pytest_args]
         codes.append(subprocess.run(command, env=leg_env, cwd=ROOT).returncode)
     ok = states.returncode == 0 and not any(codes)
     return ok, (json.loads(states.stdout) if states.returncode == 0 else {})
