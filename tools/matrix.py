@@ -5,10 +5,13 @@ python tools/matrix.py test VERSION... [-- PYTEST_ARGS]
     present) and run the test suite in every delivery mode it supports:
       shim          unmodified megatron-core + the shim
       patched       megatron-core with patches/series applied, shim disabled (MCORE_CPU_SHIM_DISABLE=all)
-      patched+shim  the same patched tree with the shim active: it must stand down
+      patched+shim  the same patched tree with the shim active: it must stand down, so
+                    only tests/test_engine.py runs there (it checks every fix's state)
     The patched modes run where every patch applies (.mcore/<version>-patched, which also
-    holds the megatron unit tests the patches add; those run in the patched modes too).
-    Fix states, patch results and mode results go to .matrix/<version>.json.
+    holds the megatron unit tests the patches add; those run in the patched mode too).
+    Each mode runs two pytest sessions (CUDA legs), each with MATRIX_WORKERS processes
+    (pytest-xdist; default: the cores, at most 4).
+    Fix states, patch results, mode results and per-leg counts go to .matrix/<version>.json.
     Exits non-zero if any run failed.
 python tools/matrix.py report
     Print the tables (fix states, patches, modes) from every .matrix/*.json.
@@ -23,6 +26,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from xml.etree import ElementTree
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCHES = ROOT / "patches"
@@ -82,7 +86,18 @@ def patched_overlay(version, plain):
     return tree, results
 
 
-def run_mode(mode, tree, pytest_args):
+def leg_counts(junit):
+    """'passed/skipped/failed' from a pytest junit XML file ('no result' if pytest wrote none)."""
+    if not junit.is_file():
+        return "no result"
+    suite = ElementTree.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    total, skipped = int(suite.get("tests")), int(suite.get("skipped"))
+    failed = int(suite.get("failures")) + int(suite.get("errors"))
+    return f"{total - skipped - failed}/{skipped}/{failed}"
+
+
+def run_mode(version, mode, tree, pytest_args):
     env = dict(os.environ, PYTHONPATH=str(tree), MCORE_CPU_SHIM_MODE=mode)
     env.pop("MCORE_CPU_SHIM_DISABLE", None)
     if mode == "patched":
@@ -92,20 +107,29 @@ def run_mode(mode, tree, pytest_args):
     )
     if states.returncode != 0:
         print(states.stderr)
-    paths = ["tests"]
-    if mode != "shim" and (tree / "tests" / "unit_tests").is_dir():
+    if mode == "patched+shim":
+        # The shim must stand down on patched code (every fix upstream-fixed, nothing replaced),
+        # so the behaviour there is the patched mode's; the engine tests check the stand-down.
+        paths = ["tests/test_engine.py"]
+    else:
+        paths = ["tests"]
+    if mode == "patched" and (tree / "tests" / "unit_tests").is_dir():
         paths.append(str(tree / "tests" / "unit_tests"))  # the tests the patches add upstream
-    codes = []
+    codes, legs = [], {}
     for leg in ("cuda_hidden", "cuda_visible"):
         leg_env = dict(env, CUDA_VISIBLE_DEVICES="") if leg == "cuda_hidden" else env
         # The megatron unit tests that patches add carry no markers: they run in the hidden leg.
         leg_paths = paths if leg == "cuda_hidden" else paths[:1]
         marker = f"{leg} or not cuda_visible" if leg == "cuda_hidden" else leg
+        junit = RESULTS / f"{version}-{mode}-{leg}.xml"
+        junit.unlink(missing_ok=True)
         print(f"\n----- mode {mode}, {leg}: pytest {' '.join(leg_paths)} -----", flush=True)
-        command = [sys.executable, "-m", "pytest", *WORKERS, "-m", marker, *leg_paths, *pytest_args]
+        command = [sys.executable, "-m", "pytest", *WORKERS, "-m", marker, f"--junitxml={junit}",
+                   *leg_paths, *pytest_args]
         codes.append(subprocess.run(command, env=leg_env, cwd=ROOT).returncode)
+        legs[leg] = leg_counts(junit)
     ok = states.returncode == 0 and not any(codes)
-    return ok, (json.loads(states.stdout) if states.returncode == 0 else {})
+    return ok, (json.loads(states.stdout) if states.returncode == 0 else {}), legs
 
 
 def test(versions, pytest_args):
@@ -115,14 +139,15 @@ def test(versions, pytest_args):
         print(f"\n===== megatron-core {version} (Python {sys.version.split()[0]}) =====", flush=True)
         plain = overlay(version)
         patched, patches = patched_overlay(version, plain)
-        record = {"mcore": version, "patches": patches, "modes": {}, "states": {}}
+        record = {"mcore": version, "patches": patches, "modes": {}, "states": {}, "legs": {}}
         for mode in MODES:
             if mode != "shim" and "needs rebase" in patches.values():
                 record["modes"][mode] = "not run (a patch needs rebase)"
                 continue
-            ok, states = run_mode(mode, plain if mode == "shim" else patched, pytest_args)
+            ok, states, legs = run_mode(version, mode, plain if mode == "shim" else patched, pytest_args)
             record["modes"][mode] = "passed" if ok else "FAILED"
             record["states"][mode] = states
+            record["legs"][mode] = legs
             if not ok:
                 failed.append(f"{version} {mode}")
         (RESULTS / f"{version}.json").write_text(json.dumps(record, indent=1))
@@ -160,6 +185,10 @@ def report():
           [[p] + [r["patches"].get(p, "-") for r in runs] for p in series()])
     table("Test runs per delivery mode:", ["mode"] + releases,
           [[m] + [r["modes"].get(m, "-") for r in runs] for m in MODES])
+    legs = [(m, leg) for m in MODES for leg in ("cuda_hidden", "cuda_visible")]
+    table("Tests per mode and CUDA leg (passed/skipped/failed; skipped = cannot run on this host or mode):",
+          ["mode", "leg"] + releases,
+          [[m, leg] + [r.get("legs", {}).get(m, {}).get(leg, "-") for r in runs] for m, leg in legs])
     return 0
 
 
