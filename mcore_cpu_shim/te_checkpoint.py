@@ -10,8 +10,8 @@ TE modules (FP8 metadata) that no local module has:
   operation-based modules with an extra state), e.g. ``decoder.layers.pre_mlp_layernorm`` of a
   MoE layer and ``decoder.final_layernorm``;
 - TE attention (``TEDotProductAttention``) where megatron-core saves its state dict as is
-  (0.13 … 0.15 define no ``sharded_state_dict`` for it; 0.16 on save only a learnable softmax
-  offset, no extra state).
+  (0.13 and 0.14 define no ``sharded_state_dict`` for it; 0.15 on save only a learnable
+  softmax offset, no extra state).
 
 Every one of them is empty in a model that has not run FP8 (TE 2.x: a zero-length uint8
 tensor; TE 1.x: a serialised ``None``), and ``set_extra_state`` of an empty state does

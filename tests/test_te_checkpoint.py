@@ -217,5 +217,7 @@ def test_te_model_loads_a_cpu_checkpoint(tmp_path, moe):
     assert written.returncode == 0, written.stderr
     report = te_leg.load_and_compare(str(ckpt), moe=moe, store=str(tmp_path / "r"))
     assert report["missing_in_te"] == [] and report["differing"] == [], report
+    assert report["load_state_dict_missing"] == [], report
+    assert report["load_state_dict_unexpected"] == [], report
     assert report["compared"] > 0
     assert report["max_logit_diff"] < 1e-2, report
