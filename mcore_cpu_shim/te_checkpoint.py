@@ -30,8 +30,10 @@ Norm replica ids: a TE norm is replicated across tensor-parallel ranks, so every
 rank 0 must save it as a replica (``replica_id[1] == tp rank``, the layout
 ``(PP, TP, DP)``). megatron-core 0.13 … 0.19 get that right on the GPT path
 (``MegatronModule.sharded_state_dict`` hands its ``tp_group`` to ``sharded_state_dict_default``),
-but ``make_sharded_tensors_for_checkpoint`` from 0.16 on reads the TP rank of ``tp_group``
-only, as 0 when a caller passes a ``dp_cp_group`` without it (``get_pg_rank(None)``).
+but the helpers that build those ids read the TP rank of ``tp_group`` only, as 0, when a
+caller passes a ``dp_cp_group`` without it (``get_pg_rank(None)``):
+``make_sharded_tensor_for_checkpoint`` from 0.15, ``make_sharded_tensors_for_checkpoint``
+(extra state) from 0.16; ``sharded_state_dict_default`` always passes a ``dp_cp_group``.
 ``misplaced_tp_replicas`` names the entries whose ids do not match; ``tp_replica_id`` gives
 the right one.
 
