@@ -1,10 +1,19 @@
 """One module per fix; each defines FIX. The order here is the order of patches/series."""
 
-from . import dcp_collective_device, moe_dispatcher_device, softmax_offsets_device, yarn_rope_device
+from . import (
+    attention_buffers_device,
+    dcp_collective_device,
+    moe_dispatcher_device,
+    moe_forward_device,
+    softmax_offsets_device,
+    yarn_rope_device,
+)
 
 FIXES = (
     dcp_collective_device.FIX,
     yarn_rope_device.FIX,
     softmax_offsets_device.FIX,
     moe_dispatcher_device.FIX,
+    attention_buffers_device.FIX,
+    moe_forward_device.FIX,
 )
