@@ -175,7 +175,8 @@ FIX = Fix(
             module=_DISPATCHER,
             qualname="MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
             known_buggy={"df437323f7120bfb": "0.13.1-0.15.3", "b686a6ec3b7a9b53": "0.16.1-0.19.2"},
-            bug=("torch.cuda.current_stream()",),
+            # The DtoH branch as released; patches/0007 puts a stream-less branch before it.
+            bug=("\nif point == self.cuda_dtoh_point:\non_side_stream = torch.cuda.current_stream()",),
             replacement=_dtoh_and_synchronize,
         ),
         Target(
