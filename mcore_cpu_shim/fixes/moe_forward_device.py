@@ -31,6 +31,7 @@ original code:
 """
 
 import functools
+import importlib
 import inspect
 
 from .._engine import Fix, Target
@@ -43,7 +44,7 @@ _MAPPINGS = "megatron.core.tensor_parallel.mappings"
 def _gating(original, module):
     import torch
 
-    moe_utils = __import__("megatron.core.transformer.moe.moe_utils", fromlist=["_"])
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if "te_general_gemm" not in vars(moe_utils):
         # TE did not import (0.13 ... 0.16): the name the PyTorch path checks for.
         moe_utils.te_general_gemm = None
