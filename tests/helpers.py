@@ -170,3 +170,82 @@ def run_without_fix(fix, code):
     result = run_python(code, MCORE_CPU_SHIM_DISABLE=fix)
     assert result.returncode != 0, f"{fix} disabled, yet this ran:\n{code}"
     return result.stderr
+
+
+# --- The CPU forward check (fixes attention_buffers_device, moe_forward_device) ---
+
+# GPT-OSS-like settings shared by every release: GQA, a 4-expert alltoall MoE layer with
+# top-2 routing (0.13 refuses biases in MoE layers).
+GPT_OSS_LIKE = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=64,
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_token_dispatcher_type="alltoall",
+    moe_router_load_balancing_type="aux_loss",
+    add_bias_linear=False,
+)
+YARN = dict(
+    yarn_rotary_scaling_factor=4.0,
+    yarn_original_max_position_embeddings=8,
+    yarn_beta_fast=32.0,
+    yarn_beta_slow=1.0,
+    yarn_mscale=1.0,
+    yarn_mscale_all_dim=0.0,
+    yarn_correction_range_round_to_int=True,
+)
+
+
+def inference_rng_tracker():
+    """Megatron's no-op RNG tracker. The local attention forks the tracker's CUDA RNG state
+    around its dropout in every forward; the training tracker can only be seeded through
+    CUDA (model_parallel_cuda_manual_seed), the inference one needs no state. Call it before
+    anything asks for the tracker."""
+    from megatron.core.tensor_parallel import random
+
+    random.initialize_rng_tracker(inference_rng_tracker=True)
+
+
+def gpt_oss_like(seed, **config):
+    """A GPT-OSS-like local-spec GPTModel on the CPU: YaRN RoPE and learnable softmax offsets
+    where the release has them (0.15 on), else learned absolute positions (0.13/0.14: their
+    plain RoPE still moves itself to CUDA in forward, not fixed here)."""
+    import torch
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    settings = dict(GPT_OSS_LIKE)
+    position = "learned_absolute"
+    if MCORE_VERSION >= (0, 15):
+        settings["softmax_type"] = "learnable"
+        position = "yarn"
+    settings.update(config)
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(use_cpu_initialization=True, params_dtype=torch.float32, **settings)
+    if position == "yarn":
+        for name, value in YARN.items():  # GPTModel reads these off the config
+            setattr(cfg, name, value)
+    spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts)
+    return GPTModel(
+        config=cfg,
+        transformer_layer_spec=spec,
+        vocab_size=64,
+        max_sequence_length=16,
+        position_embedding_type=position,
+    )
+
+
+def cpu_logits(model, batch=2, tokens=8):
+    """Logits of a fixed token batch, in eval mode without autograd."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, 64, (batch, tokens), generator=generator)
+    position_ids = torch.arange(tokens).unsqueeze(0).expand(batch, -1)
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids, position_ids, None)

@@ -1,9 +1,11 @@
 """One module per fix; each defines FIX. The order here is the order of patches/series."""
 
 from . import (
+    attention_buffers_device,
     dcp_collective_device,
     local_moe_norm_keys,
     moe_dispatcher_device,
+    moe_forward_device,
     softmax_offsets_device,
     yarn_rope_device,
 )
@@ -14,4 +16,6 @@ FIXES = (
     softmax_offsets_device.FIX,
     moe_dispatcher_device.FIX,
     local_moe_norm_keys.FIX,
+    attention_buffers_device.FIX,
+    moe_forward_device.FIX,
 )
