@@ -136,6 +136,15 @@ def tensors(model):
     return {k: v for k, v in model.state_dict().items() if hasattr(v, "shape")}
 
 
+def same_bits(a, b):
+    """Bit-identical (so also where a value is NaN, e.g. never-initialised memory)."""
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
 def directory_size(path):
     return sum(
         os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names
@@ -214,21 +223,17 @@ class Rank:
             fresh.load_state_dict(loaded)
 
         def compare():
-            import torch
-
             expected, actual = tensors(models["original"]), tensors(models["reloaded"])
             if expected.keys() != actual.keys():
                 raise AssertionError(f"state dict keys differ: {sorted(expected.keys() ^ actual.keys())}")
-            differing = [k for k in expected if not torch.equal(expected[k], actual[k])]
+            differing = [k for k in expected if not same_bits(expected[k], actual[k])]
             self.facts.update(tensors=len(expected), equal=len(expected) - len(differing))
             if differing:
                 raise AssertionError(f"{len(differing)} tensor(s) differ after reload, e.g. {differing[0]}")
 
         def forward():
-            import torch
-
             original, reloaded = logits(models["original"], spec), logits(models["reloaded"], spec)
-            equal = torch.equal(original, reloaded)
+            equal = same_bits(original, reloaded)
             self.facts["logits_equal"] = equal
             if not equal:
                 raise AssertionError("logits of the original and the reloaded model differ")
