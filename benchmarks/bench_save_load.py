@@ -160,6 +160,8 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--reps", type=int, default=3, help="repetitions per side (default 3)")
     parser.add_argument("--dir", help="where to write checkpoints (default: a temporary folder)")
+    parser.add_argument("--low-memory", action="store_true",
+                        help="one side alive at a time: a fresh worker (model build, warm-up save) per measurement")
     args = parser.parse_args(argv)
 
     patched = os.path.abspath(args.patched_tree)
@@ -168,27 +170,41 @@ def main(argv=None):
     spec = dict(SIZES[args.size], topk=2, seq_len=64, ep=1, dtype=args.dtype)
     workdir = tempfile.mkdtemp(prefix="mcore-cpu-shim-bench-", dir=args.dir)
     plain_path = os.environ.get("PYTHONPATH", "")
+    paths = {
+        "shim": (os.pathsep.join(filter(None, [ROOT, plain_path])), False),
+        "patched": (os.pathsep.join(filter(None, [patched, ROOT, plain_path])), True),
+    }
+    runs = {"shim": [], "patched": [], "torch": []}
+    fixes, infos, alive = {}, {}, {}
+
+    def side(name):
+        if name not in alive:
+            new = alive[name] = Side(name, spec, workdir, *paths[name])
+            if not infos:
+                info = new.info
+                print(f"model: {args.size} preset, {info['parameters']:,} parameters, "
+                      f"{info['tensor_bytes'] / 2**30:.2f} GiB of {args.dtype} tensors", flush=True)
+            fixes[name], infos[name] = new.fixes, new.info
+        return alive[name]
+
+    def done(name):
+        if args.low_memory:
+            alive.pop(name).close()
+
     try:
-        sides = [
-            Side("shim", spec, workdir, os.pathsep.join(filter(None, [ROOT, plain_path])), disable=False),
-            Side("patched", spec, workdir, os.pathsep.join(filter(None, [patched, ROOT, plain_path])), disable=True),
-        ]
-        shim, patched_side = sides
-        info = shim.info
-        print(f"model: {args.size} preset, {info['parameters']:,} parameters, "
-              f"{info['tensor_bytes'] / 2**30:.2f} GiB of {args.dtype} tensors")
-        print(f"shim side fixes: {shim.fixes}")
-        print(f"patched side fixes: {patched_side.fixes}")
-        runs = {"shim": [], "patched": [], "torch": []}
         for rep in range(args.reps):
-            for side in (sides if rep % 2 == 0 else sides[::-1]):
-                runs[side.name].append(side.ask("dist", os.path.join(workdir, side.name)))
-            runs["torch"].append(shim.ask("torch", os.path.join(workdir, "torch.pt")))
+            for name in ("shim", "patched") if rep % 2 == 0 else ("patched", "shim"):
+                runs[name].append(side(name).ask("dist", os.path.join(workdir, name)))
+                if name == "shim":
+                    runs["torch"].append(side(name).ask("torch", os.path.join(workdir, "torch.pt")))
+                done(name)
             print(f"rep {rep + 1}/{args.reps}: " + ", ".join(
                 f"{name} save {r[-1]['save']:.2f} s" + (f" load {r[-1]['load']:.2f} s" if "load" in r[-1] else "")
                 for name, r in runs.items()), flush=True)
-        for side in sides:
-            side.close()
+        info = infos["shim"]
+        for worker_side in alive.values():
+            worker_side.close()
+        print(f"fix states: shim side {fixes['shim']}; patched side {fixes['patched']}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
