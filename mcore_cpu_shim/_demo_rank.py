@@ -13,6 +13,7 @@ catches and hides still fails the step.
 
 import contextlib
 import json
+import multiprocessing
 import os
 import re
 import sys
@@ -274,7 +275,11 @@ def main(spec_path, rank):
         import torch
 
         torch.distributed.destroy_process_group()
-    # A failed rank may leave others waiting in a collective: the parent ends them.
+    # A failed rank may leave others waiting in a collective, and its exit handlers with them:
+    # leave at once (the parent ends the others), but not without the helper processes
+    # megatron-core's checkpoint writer started.
+    for child in multiprocessing.active_children():
+        child.kill()
     sys.stdout.flush()
     os._exit(0 if passed else 1)
 

@@ -17,6 +17,7 @@ Nothing here imports torch: the ranks do.
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -153,9 +154,13 @@ def run_pass(args, label, folder, extra_env, progress):
         time.sleep(0.2)
     hung = [rank for rank, p in enumerate(processes) if p.poll() is None]
     for p in processes:
-        if p.poll() is None:
-            os.killpg(p.pid, 9)
-            p.wait()
+        # The whole session of the rank: megatron-core's checkpoint writer starts a helper
+        # process that outlives a rank that ended abruptly.
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
 
     events = [_read_events(os.path.join(folder, f"rank{r}.jsonl")) for r in range(args.ranks)]
     ranks = [next((e for e in rank_events if e.get("done")), None) for rank_events in events]
