@@ -120,7 +120,9 @@ def build_model(spec, seed):
         transformer_layer_spec=layer_spec,
         vocab_size=spec["vocab"],
         max_sequence_length=spec["seq_len"],
-        position_embedding_type="yarn" if have["yarn"] else "rope",
+        # Without YaRN (0.13/0.14) learned positions: their plain RoPE moves itself to CUDA
+        # in forward.
+        position_embedding_type="yarn" if have["yarn"] else "learned_absolute",
         share_embeddings_and_output_weights=False,
     )
 
@@ -198,11 +200,16 @@ class Rank:
         def build():
             import torch
             from megatron.core import parallel_state
+            from megatron.core.tensor_parallel import random
 
             torch.distributed.init_process_group(
                 "gloo", init_method=f"file://{spec['store']}", rank=self.rank, world_size=spec["ranks"]
             )
             parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=spec["ep"])
+            # Megatron's RNG tracker for inference: the local attention forks the tracker
+            # around its dropout in every forward, and the training tracker can only be seeded
+            # through CUDA (model_parallel_cuda_manual_seed).
+            random.initialize_rng_tracker(inference_rng_tracker=True)
             # The same seed on every rank: non-expert weights are replicas across ranks.
             models["original"] = build_model(spec, seed=1)
             self.facts["parameters"] = parameter_count(models["original"], spec["ep"])
