@@ -123,28 +123,27 @@ def run_pass(args, label, folder, extra_env, progress):
         )
         log.close()
 
-    steps, reported = {}, 0
-    deadline, failed_at = time.monotonic() + args.timeout, None
-    while True:
-        events = [_read_events(os.path.join(folder, f"rank{r}.jsonl")) for r in range(args.ranks)]
+    steps = {}
+
+    def report_finished_steps():
         # A step is over once every rank recorded it, or one rank failed it.
-        while reported < len(STEPS):
-            name = STEPS[reported]
+        events = [_read_events(os.path.join(folder, f"rank{r}.jsonl")) for r in range(args.ranks)]
+        while len(steps) < len(STEPS) and all(s["ok"] for s in steps.values()):
+            name = STEPS[len(steps)]
             records = [e for rank_events in events for e in rank_events if e.get("step") == name]
             failures = [e for e in records if not e["ok"]]
             if not failures and len(records) < args.ranks:
                 break
             steps[name] = _summarise(name, records, failures)
             progress(label, name, steps[name])
-            reported += 1
-            if failures:
-                reported = len(STEPS)
+
+    deadline, failed_at = time.monotonic() + args.timeout, None
+    while True:
+        report_finished_steps()
         codes = [p.poll() for p in processes]
         if None not in codes:
             break
-        if any(code not in (None, 0) for code in codes) or reported == len(STEPS) and steps and not all(
-            s["ok"] for s in steps.values()
-        ):
+        if any(code not in (None, 0) for code in codes) or not all(s["ok"] for s in steps.values()):
             # A failed rank: the others may wait for it in a collective; give them a moment.
             failed_at = failed_at or time.monotonic()
             if time.monotonic() - failed_at > 15:
@@ -152,6 +151,7 @@ def run_pass(args, label, folder, extra_env, progress):
         if time.monotonic() > deadline:
             break
         time.sleep(0.2)
+    report_finished_steps()  # what the ranks wrote between the last look and their exit
     hung = [rank for rank, p in enumerate(processes) if p.poll() is None]
     for p in processes:
         # The whole session of the rank: megatron-core's checkpoint writer starts a helper
