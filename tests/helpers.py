@@ -110,12 +110,13 @@ def run_ranks(target, world_size, *args, timeout=300):
     env = dict(os.environ, PYTHONPATH=with_tests_dir(os.environ.get("PYTHONPATH")))
 
     def kill(process):
-        if process.poll() is None:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.wait()
+        # The whole session, also after the rank itself exited: megatron's checkpoint writer
+        # leaves a spawned helper process behind when its rank ends abruptly.
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
 
     ranks = []
     try:
