@@ -21,13 +21,21 @@ import sys
 import pytest
 
 _PRIVATE = "mcore_cpu_shim_pytest._tripwire"
+_tripwire = None
 
 
 def tripwire():
-    """The tripwire module, without importing (and so activating) the mcore_cpu_shim package."""
+    """The tripwire module, without importing (and so activating) the mcore_cpu_shim package.
+
+    Chosen once per process, so that the blocks this plugin opens always share one state.
+    """
+    global _tripwire
+    if _tripwire is not None:
+        return _tripwire
     package = sys.modules.get("mcore_cpu_shim")
     if package is not None:
-        return package.tripwire
+        _tripwire = package.tripwire
+        return _tripwire
     module = sys.modules.get(_PRIVATE)
     if module is None:
         found = importlib.util.find_spec("mcore_cpu_shim")  # finds the folder, runs nothing
@@ -38,6 +46,7 @@ def tripwire():
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         sys.modules[_PRIVATE] = module
+    _tripwire = module
     return module
 
 
