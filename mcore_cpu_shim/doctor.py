@@ -66,11 +66,13 @@ def _import_targets(package, report):
 
 
 def _transformer_engine(te_guard):
-    guard = te_guard.state()
     try:
         import transformer_engine
     except ModuleNotFoundError as exc:
-        if guard["reason"] is not None:
+        guard = te_guard.state()
+        if guard["mode"] == "block":
+            return {"status": "blocked", "reason": guard["reason"]}
+        if guard["reason"] is not None:  # the guard turned "cannot load here" into absence
             return {"status": "unusable", "reason": guard["reason"]}
         return {"status": "absent", "reason": str(exc)}
     except Exception as exc:
