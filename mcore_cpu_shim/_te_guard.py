@@ -11,8 +11,9 @@ package and fails later (no ``__version__``, no package metadata).
 The guard is a ``sys.meta_path`` finder for TE's top-level names (the ``transformer_engine``
 package and its submodules, and TE's torch extension module, ``transformer_engine_torch``, in
 older releases ``transformer_engine_extensions``). It lets the normal finders find them and
-wraps the loader. Only when loading fails with something other than ImportError does it look
-at the host: if CUDA is usable (``torch.cuda.is_available()``, which does not initialise CUDA),
+wraps the loader. Only when loading fails with something other than ModuleNotFoundError does
+it look at the host (a plain ImportError counts: the dlopen failure of TE's torch extension is
+one, and megatron-core's ``tensor_parallel/random.py`` catches only ModuleNotFoundError): if CUDA is usable (``torch.cuda.is_available()``, which does not initialise CUDA),
 the error goes on unchanged, since a broken TE on a GPU node must stay loud. Otherwise it
 removes every partly imported TE module from ``sys.modules``, warns once, remembers that TE is
 unusable, and raises ``ModuleNotFoundError`` chained to the original error. Every later import
@@ -152,7 +153,7 @@ class TeGuard:
         self._local.depth = depth + 1
         try:
             return step(arg)
-        except ImportError:
+        except ModuleNotFoundError:  # megatron-core falls back on that by itself
             raise
         except Exception as exc:
             # Nested TE imports let the error through: the outermost one decides, once.

@@ -33,7 +33,13 @@ def fake_te(root, kind):
         (package / "pytorch" / "__init__.py").write_text(
             "raise RuntimeError('Found no NVIDIA driver on your system')\n"
         )
-    elif kind == "import-error":  # a genuinely missing dependency: not ours to hide
+    elif kind == "extension":  # as nested, but the torch extension fails to dlopen
+        (package / "__init__.py").write_text(
+            "try:\n    from . import pytorch\nexcept ImportError:\n    pass\n__version__ = '2.9.0'\n"
+        )
+        (package / "pytorch").mkdir()
+        (package / "pytorch" / "__init__.py").write_text(f"raise ImportError({NO_DRIVER!r})\n")
+    elif kind == "missing-dependency":  # megatron-core falls back by itself: not ours to touch
         (package / "__init__.py").write_text("from transformer_engine_missing_dep import x\n")
     elif kind == "works":
         (package / "__init__.py").write_text("__version__ = '2.9.0'\n")
@@ -71,10 +77,28 @@ def test_unloadable_te_counts_as_absent(tmp_path, monkeypatch, kind):
 
 
 @pytest.mark.cuda_hidden
-def test_import_error_from_te_passes_unchanged(tmp_path, monkeypatch):
+def test_te_whose_torch_extension_fails_to_load_counts_as_absent(tmp_path, monkeypatch):
+    """TE's own __init__ swallows the ImportError of its torch part; megatron-core's later
+    ``from transformer_engine.pytorch... import`` would get that plain ImportError, which
+    ``tensor_parallel/random.py`` (``except ModuleNotFoundError``) does not catch."""
+    monkeypatch.syspath_prepend(fake_te(tmp_path, "extension"))
+    import transformer_engine  # noqa: F401  (TE's own fallback: no torch part)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ModuleNotFoundError) as caught:
+            from transformer_engine.pytorch import distributed  # noqa: F401
+    assert type(caught.value.__cause__) is ImportError and NO_DRIVER in str(caught.value.__cause__)
+    assert te_modules() == []
+    with pytest.raises(ModuleNotFoundError):
+        import transformer_engine  # noqa: F401,F811
+
+
+@pytest.mark.cuda_hidden
+def test_missing_dependency_of_te_passes_unchanged(tmp_path, monkeypatch):
     from mcore_cpu_shim import _te_guard
 
-    monkeypatch.syspath_prepend(fake_te(tmp_path, "import-error"))
+    monkeypatch.syspath_prepend(fake_te(tmp_path, "missing-dependency"))
     with pytest.raises(ModuleNotFoundError) as caught:
         import transformer_engine  # noqa: F401
     assert caught.value.name == "transformer_engine_missing_dep"
