@@ -205,7 +205,7 @@ def _on_import(fix: Fix, target: Target, module: types.ModuleType) -> None:
                 f"mcore_cpu_shim: fix {fix.name!r} was not applied to {target.name} in "
                 f"megatron-core {mcore_version()}: {target.detail}. This spot still assumes "
                 f"CUDA. Please report it at {REPORT_URL} with the output of "
-                f"`python -m mcore_cpu_shim status`.",
+                f"`python -m mcore_cpu_shim doctor`.",
                 McoreCpuShimWarning,
                 stacklevel=2,
             )

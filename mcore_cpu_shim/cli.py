@@ -1,13 +1,36 @@
-"""``mcore-cpu-shim`` / ``python -m mcore_cpu_shim``: the command line."""
+"""The command line: ``mcore-cpu-shim SUBCOMMAND`` or ``python -m mcore_cpu_shim SUBCOMMAND``.
+
+Each subcommand lives in its own module with ``add_parser(subparsers)``, which adds the
+subparser and sets ``func``: a function of the parsed arguments that returns the exit status.
+Exit status 2 means bad input: an unknown option, or a bad ``MCORE_CPU_SHIM_*`` value.
+"""
 
 import argparse
+import sys
 
-from . import demo
+from . import demo, doctor, run
+from ._version import __version__
+
+SUBCOMMANDS = (demo, doctor, run)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="mcore-cpu-shim", description=__doc__)
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    demo.add_parser(subparsers)
-    args = parser.parse_args(argv)
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="mcore-cpu-shim",
+        description="Megatron-Core checkpoint conversion on hosts without a GPU.",
+    )
+    parser.add_argument("--version", action="version", version=f"mcore-cpu-shim {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in SUBCOMMANDS:
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv=None) -> int:
+    from . import _config_error
+
+    args = build_parser().parse_args(argv)  # exits 2 with a usage message on bad options
+    if _config_error is not None:
+        print(f"mcore-cpu-shim: error: {_config_error}", file=sys.stderr)
+        return 2
     return args.func(args)

@@ -28,30 +28,44 @@ class CudaTouchedError(RuntimeError):
     """A torch.cuda call happened where none is allowed."""
 
 
+# The touched-lists of the open forbid_cuda() blocks, and the torch.cuda entry points saved
+# while any is open. Blocks may overlap without nesting (the pytest plugin opens one per test
+# phase while a fixture's block spans them): the entry points are replaced when the first block
+# opens and restored when the last one closes; a call is recorded in every open block.
+_open = []
+_saved = {}
+
+
+def _tripwire(name):
+    def tripped(*args, **kwargs):
+        stack = "".join(traceback.format_stack(limit=12)[:-1])
+        for touched in _open:
+            touched.append(f"torch.cuda.{name}() at\n{stack}")
+        raise CudaTouchedError(f"torch.cuda.{name}() called inside forbid_cuda()")
+
+    return tripped
+
+
 @contextlib.contextmanager
 def forbid_cuda():
     """Fail on any CUDA-initialising torch.cuda call in the block; yields the list of calls."""
     import torch
 
     touched = []
-
-    def tripwire(name):
-        def tripped(*args, **kwargs):
-            stack = "".join(traceback.format_stack(limit=12)[:-1])
-            touched.append(f"torch.cuda.{name}() at\n{stack}")
-            raise CudaTouchedError(f"torch.cuda.{name}() called inside forbid_cuda()")
-
-        return tripped
-
-    saved = {name: getattr(torch.cuda, name) for name in GUARDED if hasattr(torch.cuda, name)}
     was_initialized = torch.cuda.is_initialized()
-    for name in saved:
-        setattr(torch.cuda, name, tripwire(name))
+    if not _open:
+        _saved.update({name: getattr(torch.cuda, name) for name in GUARDED if hasattr(torch.cuda, name)})
+        for name in _saved:
+            setattr(torch.cuda, name, _tripwire(name))
+    _open.append(touched)
     try:
         yield touched
     finally:
-        for name, value in saved.items():
-            setattr(torch.cuda, name, value)
+        _open[:] = [block for block in _open if block is not touched]
+        if not _open:
+            for name, value in _saved.items():
+                setattr(torch.cuda, name, value)
+            _saved.clear()
     if touched:
         raise CudaTouchedError(f"{len(touched)} CUDA call(s) inside forbid_cuda(); first: {touched[0]}")
     if torch.cuda.is_initialized() and not was_initialized:

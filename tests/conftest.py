@@ -1,4 +1,4 @@
-"""Shared test setup: delivery mode, CUDA legs, and the forbid_cuda fixture.
+"""Shared test setup: delivery mode, CUDA legs; forbid_cuda comes from mcore_cpu_shim_pytest.
 
 Every test runs in its own forked process (pytest-forked): CUDA visibility and patches are
 process-wide. tools/matrix.py runs the two legs as two sessions: ``-m cuda_hidden`` with
@@ -38,6 +38,10 @@ if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+# The forbid_cuda fixture comes from the package's own pytest plugin (it activates nothing:
+# in patched mode the shim stays off).
+pytest_plugins = ["mcore_cpu_shim_pytest"]
 
 
 def _devices_seen_by_a_fresh_interpreter():
@@ -80,12 +84,3 @@ def cuda_leg(request):
         if not torch.cuda.is_available():
             pytest.skip("cuda_visible: needs a usable CUDA device; this host has none")
     yield
-
-
-@pytest.fixture
-def forbid_cuda():
-    """Fail the test on any CUDA-initialising torch.cuda call inside it."""
-    from mcore_cpu_shim.tripwire import forbid_cuda as tripwire
-
-    with tripwire() as touched:
-        yield touched

@@ -5,7 +5,6 @@ import importlib
 import pytest
 from helpers import (
     MCORE_VERSION,
-    MODE,
     assert_same_tensors,
     expected_state,
     init_gloo,
@@ -212,7 +211,7 @@ def test_moe_keys_are_fused_without_the_fix():
     """The key tests above are real checks: unfixed megatron-core writes the fused key."""
     stderr = run_without_fix(
         FIX,
-        f"""
+        """
         import mcore_cpu_shim
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         keys_map = get_gpt_layer_local_spec(num_experts=4).submodules.sharded_state_dict_keys_map

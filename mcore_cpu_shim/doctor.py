@@ -1,0 +1,186 @@
+"""``mcore-cpu-shim doctor``: what this host and this megatron-core look like to the shim.
+
+It imports what a conversion imports (torch, every module a fix targets, Transformer Engine),
+then reports: torch and its build, whether CUDA is usable and whether those imports
+initialised it, which CUDA driver and toolkit libraries they mapped into the process, the
+megatron-core version, Transformer Engine's status, and each fix's state per target.
+
+Exit status 1 when megatron-core has a CUDA assumption that no fix covers (a fix
+``unsupported``) or fails to import; 0 otherwise.
+"""
+
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import sys
+
+# Libraries of the NVIDIA driver: mapped only when something asked the driver (a process
+# that "touches no CUDA" on a driverless host maps none of these).
+DRIVER_LIBRARIES = ("libcuda.so", "libcudadebugger.so", "libnvidia-")
+# CUDA toolkit libraries: a CUDA build of torch maps these at import, with or without a driver.
+CUDA_LIBRARIES = (
+    "libcudart.so", "libnvrtc", "libnvJitLink", "libcublas", "libcudnn", "libnccl", "libcufft",
+    "libcufile", "libcurand", "libcusolver", "libcusparse", "libcupti", "libnvshmem",
+    "libnvToolsExt", "libnvjpeg",
+)
+
+
+def add_parser(subparsers):
+    parser = subparsers.add_parser(
+        "doctor",
+        help="report torch, CUDA, megatron-core, Transformer Engine and every fix's state",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(func=run_doctor)
+
+
+def mapped_libraries():
+    """Base names of the shared libraries mapped into this process (Linux /proc), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return None
+    names = set()
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and ".so" in fields[5]:
+            names.add(os.path.basename(fields[5].strip()))
+    return sorted(names)
+
+
+def _import_targets(package, report):
+    """Import every module a fix targets, as a conversion would; record the failures."""
+    for fix in package.status().values():
+        for target in fix["targets"]:
+            module = target.split(":")[0]
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                pass  # stays "pending": this release has no such module
+            except Exception as exc:  # megatron-core itself fails to import
+                report["problems"].append(f"importing {module} failed: {type(exc).__name__}: {exc}")
+
+
+def _transformer_engine(te_guard):
+    try:
+        import transformer_engine
+    except ModuleNotFoundError as exc:
+        guard = te_guard.state()
+        if guard["mode"] == "block":
+            return {"status": "blocked", "reason": guard["reason"]}
+        if guard["reason"] is not None:  # the guard turned "cannot load here" into absence
+            return {"status": "unusable", "reason": guard["reason"]}
+        return {"status": "absent", "reason": str(exc)}
+    except Exception as exc:
+        return {"status": "unusable", "reason": f"{type(exc).__name__}: {exc}"}
+    version = getattr(transformer_engine, "__version__", None)
+    return {"status": "usable", "reason": f"version {version}, from {transformer_engine.__path__[0]}"}
+
+
+def collect():
+    """The report as a dict (what ``--json`` prints)."""
+    package = importlib.import_module(__name__.rpartition(".")[0])
+    from . import _engine, _te_guard
+
+    report = {
+        "shim": {"version": package.__version__, "package": _engine.PACKAGE,
+                 "path": os.path.dirname(package.__file__)},
+        "python": sys.version.split()[0],
+        "problems": [],
+    }
+    try:
+        import torch
+    except Exception as exc:
+        report["torch"] = {"version": None, "error": f"{type(exc).__name__}: {exc}"}
+        torch = None
+    else:
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU"
+        if getattr(torch.version, "hip", None):
+            build = f"ROCm {torch.version.hip}"
+        report["torch"] = {"version": torch.__version__, "build": build}
+
+    try:
+        importlib.metadata.version("megatron-core")
+        installed = True
+    except importlib.metadata.PackageNotFoundError:
+        installed = importlib.util.find_spec("megatron") is not None
+    if installed and torch is not None:
+        _import_targets(package, report)
+    report["megatron_core"] = {"version": _engine.mcore_version() if installed else None}
+    if installed:
+        core = sys.modules.get("megatron.core")
+        report["megatron_core"]["path"] = os.path.dirname(core.__file__) if core else None
+    report["transformer_engine"] = _transformer_engine(_te_guard)
+    report["transformer_engine"]["guard"] = _te_guard.state()
+
+    # Read before this report asks torch about devices: what the imports above mapped.
+    libraries = mapped_libraries()
+    if libraries is not None:
+        report["driver_libraries"] = [n for n in libraries if n.startswith(DRIVER_LIBRARIES)]
+        report["cuda_libraries"] = [n for n in libraries if n.startswith(CUDA_LIBRARIES)]
+    if torch is not None:
+        report["cuda"] = {
+            "initialised": torch.cuda.is_initialized(),
+            "usable": torch.cuda.is_available(),
+            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
+
+    report["fixes"] = package.status()
+    for name, fix in report["fixes"].items():
+        for target, state in fix["targets"].items():
+            if state["state"] == _engine.UNSUPPORTED:
+                report["problems"].append(
+                    f"{name}: {target} still assumes CUDA and no fix covers it ({state['detail']})"
+                )
+    return report
+
+
+def _yes(value):
+    return "yes" if value else "no"
+
+
+def render(report):
+    lines = [f"mcore-cpu-shim {report['shim']['version']} ({report['shim']['package']} at {report['shim']['path']})"]
+    torch = report["torch"]
+    rows = [("python", report["python"])]
+    if torch["version"] is None:
+        rows.append(("torch", f"not importable: {torch['error']}"))
+    else:
+        rows.append(("torch", f"{torch['version']} ({torch['build']} build)"))
+    if "cuda" in report:
+        cuda = report["cuda"]
+        visible = cuda["CUDA_VISIBLE_DEVICES"]
+        rows.append(("CUDA usable", _yes(cuda["usable"]) + ("" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r})")))
+        rows.append(("CUDA initialised", _yes(cuda["initialised"]) + " (after importing torch, megatron-core and TE)"))
+    if "driver_libraries" in report:
+        rows.append(("driver libraries", ", ".join(report["driver_libraries"]) or "none mapped"))
+        rows.append(("CUDA libraries", ", ".join(report["cuda_libraries"]) or "none mapped"))
+    mcore = report["megatron_core"]
+    rows.append(("megatron-core", f"{mcore['version']} ({mcore.get('path')})" if mcore["version"] else "not installed"))
+    te = report["transformer_engine"]
+    rows.append(("Transformer Engine", f"{te['status']}: {te['reason']}"))
+    guard = te["guard"]
+    rows.append(("TE import guard", f"MCORE_CPU_SHIM_TE={guard['mode']}" + (f" ({guard['owner']})" if guard["owner"] else "")))
+    width = max(len(name) for name, _ in rows)
+    lines += [f"{name:<{width}}  {value}" for name, value in rows]
+    lines.append("fixes:")
+    for name, fix in report["fixes"].items():
+        lines.append(f"  {name}: {fix['state']}")
+        for target, state in fix["targets"].items():
+            lines.append(f"    {state['state']:<15} {target}: {state['detail']}")
+    if report["problems"]:
+        lines.append("problems:")
+        lines += [f"  {problem}" for problem in report["problems"]]
+    else:
+        lines.append("no problems found")
+    return "\n".join(lines)
+
+
+def run_doctor(args):
+    report = collect()
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 1 if report["problems"] else 0
