@@ -137,9 +137,7 @@ def test_local_checkpoint_loads_where_te_extra_state_is_empty(tmp_path, forbid_c
 @pytest.mark.cuda_hidden
 def test_non_empty_extra_state_is_saved_and_loaded(tmp_path, forbid_cuda):
     import torch
-    from megatron.core import dist_checkpointing
     from mcore_cpu_shim import te_checkpoint
-
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
     init_gloo(tmp_path)
