@@ -84,3 +84,16 @@ def cuda_leg(request):
         if not torch.cuda.is_available():
             pytest.skip("cuda_visible: needs a usable CUDA device; this host has none")
     yield
+
+
+@pytest.fixture(autouse=True)
+def end_child_processes():
+    """Stop the processes a test started through multiprocessing (megatron's checkpoint writer
+    starts a spawned helper): pytest-forked ends each test with os._exit, which skips the
+    exit handlers that would stop them, and they would outlive the run holding ~0.5 GB each."""
+    yield
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(10)
