@@ -20,22 +20,11 @@ import sys
 import time
 import traceback
 
+from .doctor import driver_libraries
+
 STEPS = ("build model", "save torch_dist", "build fresh + load", "compare tensors", "forward compare")
 
-# The user-mode driver and its companions, never the CUDA runtime libraries a CUDA build of
-# torch links (libcudart, libcublas, ...): those load without a driver.
-DRIVER_LIBRARY = re.compile(r"/lib(cuda|nvidia-[\w.-]+|nvcuvid|nvoptix)\.so[\d.]*$")
 MEGATRON_FRAME = re.compile(r'File "([^"]*megatron/core/[^"]*)", line (\d+), in (\S+)')
-
-
-def driver_libraries():
-    """Driver libraries mapped into this process (from /proc/self/maps; [] where it is absent)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/" in line}
-    except OSError:
-        return []
-    return sorted(p for p in paths if DRIVER_LIBRARY.search(p))
 
 
 def _short(path):

@@ -52,6 +52,11 @@ def mapped_libraries():
     return sorted(names)
 
 
+def driver_libraries():
+    """The NVIDIA driver libraries mapped into this process ([] where /proc is absent)."""
+    return [name for name in mapped_libraries() or [] if name.startswith(DRIVER_LIBRARIES)]
+
+
 def _import_targets(package, report):
     """Import every module a fix targets, as a conversion would; record the failures."""
     for fix in package.status().values():
