@@ -104,7 +104,7 @@ def build_model(spec, seed):
     if have["yarn"]:
         yarn_settings(config)
     layer_spec = get_gpt_layer_local_spec(num_experts=spec["experts"], normalization="RMSNorm")
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
         vocab_size=spec["vocab"],
@@ -114,6 +114,23 @@ def build_model(spec, seed):
         position_embedding_type="yarn" if have["yarn"] else "learned_absolute",
         share_embeddings_and_output_weights=False,
     )
+    zero_uninitialised_softmax_offsets(model)
+    return model
+
+
+def zero_uninitialised_softmax_offsets(model):
+    """megatron-core 0.15 creates the learnable softmax offsets with torch.empty and never
+    initialises them (0.16 does): each rank would hold different leftover memory in a tensor
+    that is replicated, saved once and reloaded everywhere. Start them at zero there."""
+    import importlib.metadata
+
+    import torch
+
+    if importlib.metadata.version("megatron-core").startswith("0.15."):
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith("softmax_offset"):
+                    parameter.zero_()
 
 
 def parameter_count(model, ep):

@@ -231,13 +231,27 @@ def gpt_oss_like(seed, **config):
         for name, value in YARN.items():  # GPTModel reads these off the config
             setattr(cfg, name, value)
     spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts)
-    return GPTModel(
+    model = GPTModel(
         config=cfg,
         transformer_layer_spec=spec,
         vocab_size=64,
         max_sequence_length=16,
         position_embedding_type=position,
     )
+    zero_uninitialised_softmax_offsets(model)
+    return model
+
+
+def zero_uninitialised_softmax_offsets(model):
+    """0.15 leaves learnable softmax offsets as torch.empty: leftover memory that differs per
+    rank in a replicated tensor (saved by one rank, reloaded by all). Zero them there."""
+    import torch
+
+    if MCORE_VERSION == (0, 15):
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith("softmax_offset"):
+                    parameter.zero_()
 
 
 def cpu_logits(model, batch=2, tokens=8):
