@@ -238,20 +238,11 @@ def gpt_oss_like(seed, **config):
         max_sequence_length=16,
         position_embedding_type=position,
     )
+    # The demo's builder does the same: 0.15 leaves learnable offsets uninitialised.
+    from mcore_cpu_shim._demo_rank import zero_uninitialised_softmax_offsets
+
     zero_uninitialised_softmax_offsets(model)
     return model
-
-
-def zero_uninitialised_softmax_offsets(model):
-    """0.15 leaves learnable softmax offsets as torch.empty: leftover memory that differs per
-    rank in a replicated tensor (saved by one rank, reloaded by all). Zero them there."""
-    import torch
-
-    if MCORE_VERSION == (0, 15):
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if name.endswith("softmax_offset"):
-                    parameter.zero_()
 
 
 def cpu_logits(model, batch=2, tokens=8):
