@@ -3,18 +3,21 @@
 Every test runs in its own forked process (pytest-forked): CUDA visibility and patches are
 process-wide. tools/matrix.py runs the two legs as two sessions: ``-m cuda_hidden`` with
 ``CUDA_VISIBLE_DEVICES=""`` for the whole session, and ``-m cuda_visible`` as the host is.
-In a hidden session the megatron-core modules every test needs are imported once here (no
-device can be seen, so nothing is cached about one), and each forked test starts with them.
+In a hidden session each test process imports the megatron-core modules every test needs once
+(pytest_configure), so each forked test starts with them, and starts a preloaded interpreter
+for the tests' child processes (tests/preloaded.py).
 
 Modes (MCORE_CPU_SHIM_MODE): ``shim`` = unmodified megatron-core + the shim (default),
 ``patched`` = megatron-core with patches/ applied and the shim disabled, ``patched+shim``.
 """
 
+import gc
 import importlib
 import os
 import subprocess
 import sys
 
+import preloaded
 import pytest
 
 MODE = os.environ.get("MCORE_CPU_SHIM_MODE", "shim")
@@ -23,7 +26,24 @@ SHIM_ACTIVE = MODE != "patched"
 if SHIM_ACTIVE:
     import mcore_cpu_shim  # noqa: F401  (activates the fixes before any megatron import)
 
-if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+HIDDEN_SESSION = os.environ.get("CUDA_VISIBLE_DEVICES") == ""
+
+
+def pytest_configure(config):
+    """In a hidden session: the main pytest process (the xdist controller, or pytest itself
+    without xdist) starts the preloaded interpreter that helpers.run_python/run_ranks fork
+    children from; xdist workers find it through the environment they inherit. Each process
+    that runs tests (a worker, or pytest itself) imports the megatron-core modules every test
+    needs (no device can be seen, so nothing is cached about one): each forked test starts
+    with them."""
+    if not HIDDEN_SESSION:
+        return
+    worker = hasattr(config, "workerinput")
+    if not worker:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")])))
+        config.preloaded_server = preloaded.start(env)
+        if getattr(config.option, "numprocesses", None):
+            return  # the xdist controller runs no tests
     for name in (
         "megatron.core.parallel_state",
         "megatron.core.dist_checkpointing",
@@ -35,6 +55,42 @@ if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
             importlib.import_module(name)
         except ImportError:
             pass  # the tests that need it fail with the real error
+    gc.freeze()  # what every forked test shares stays out of its collections (no copying)
+
+
+# Where tools/matrix.py wants the fix states of this session's megatron-core (its table).
+STATES_FILE = os.environ.get("MCORE_CPU_SHIM_STATES_FILE")
+RECORD_STATES = """
+import importlib, json
+import mcore_cpu_shim
+for fix in mcore_cpu_shim.status().values():
+    for target in fix["targets"]:
+        try:
+            importlib.import_module(target.split(":")[0])
+        except ImportError:
+            pass  # stays "pending": this release has no such module
+print(json.dumps({name: fix["state"] for name, fix in mcore_cpu_shim.status().items()}))
+"""
+
+
+def pytest_sessionfinish(session):
+    """For tools/matrix.py: each fix's state in a child interpreter with this session's
+    environment (so the mode's MCORE_CPU_SHIM_DISABLE), written to STATES_FILE."""
+    if STATES_FILE and not hasattr(session.config, "workerinput"):
+        from helpers import run_python
+
+        result = run_python(RECORD_STATES)
+        if result.returncode != 0:
+            raise RuntimeError(f"recording the fix states failed:\n{result.stderr}")
+        with open(STATES_FILE, "w") as out:
+            out.write(result.stdout.strip().splitlines()[-1])
+
+
+def pytest_unconfigure(config):
+    server = getattr(config, "preloaded_server", None)
+    if server is not None:
+        server.terminate()
+        server.wait(30)
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))

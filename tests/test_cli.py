@@ -111,7 +111,7 @@ def test_run_starts_a_script_with_the_shim_active(tmp_path):
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report == {"argv": ["--flag", "x"], "shim": True, "marked": True, "own_sitecustomize": "yes"}
 
-    unchanged = run_python(SCRIPT, PYTHONPATH=path)  # the same script without run: no shim
+    unchanged = run_python(SCRIPT, fresh=True, PYTHONPATH=path)  # the same script without run: no shim
     report = json.loads(unchanged.stdout.strip().splitlines()[-1])
     assert report["shim"] is False and report["marked"] is False
 

@@ -21,16 +21,17 @@ WHICH_PRELOAD = (
 PACKAGE_DIR = os.path.dirname(importlib.util.find_spec("mcore_cpu_shim").origin)
 
 
-def run_json(code, **env):
-    """Run ``code`` (which prints one JSON line last) in a fresh interpreter; parse that line."""
-    result = run_python(code, **env)
+def run_json(code, fresh=False, **env):
+    """Run ``code`` (which prints one JSON line last) in a child interpreter; parse that line."""
+    result = run_python(code, fresh=fresh, **env)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def test_import_loads_neither_torch_nor_megatron():
     loaded = run_json(
-        """
+        fresh=True,
+        code="""
         import json, sys
         import mcore_cpu_shim
         print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "megatron"))))

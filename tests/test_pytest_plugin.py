@@ -1,11 +1,11 @@
 """The pytest plugin (``mcore_cpu_shim_pytest``): the ``forbid_cuda`` fixture and
 ``--forbid-cuda`` in a downstream test session, which must otherwise run megatron-core
-unmodified. Each check runs a small inner pytest session in a fresh interpreter."""
+unmodified. Each check runs a small inner pytest session in a child interpreter."""
 
 import pathlib
 
 import pytest
-from helpers import MODE
+from helpers import MODE, run_python
 
 pytest_plugins = ["pytester"]
 pytestmark = [
@@ -62,8 +62,12 @@ def test_exempt(forbid_cuda):
 
 
 def downstream(pytester, *args):
+    """``python -m pytest`` on DOWNSTREAM_TESTS in a child interpreter (helpers.run_python)."""
     pytester.makepyfile(test_downstream=DOWNSTREAM_TESTS)
-    return pytester.runpytest_subprocess("-p", "mcore_cpu_shim_pytest", "-p", "no:cacheprovider", "--tb=line", *args)
+    args = ["-p", "mcore_cpu_shim_pytest", "-p", "no:cacheprovider", "--tb=line", *args]
+    code = f"import os, sys, pytest; os.chdir({str(pytester.path)!r}); sys.exit(pytest.main({args!r}))"
+    result = run_python(code)
+    return pytest.RunResult(result.returncode, result.stdout.splitlines(), result.stderr.splitlines(), 0.0)
 
 
 def test_forbid_cuda_option_fails_a_test_that_hides_a_cuda_call(pytester):
