@@ -119,6 +119,7 @@ def run_mode(version, mode, tree, pytest_args):
     states = json.loads(states_file.read_text()) if states_file.is_file() else {}
     if not states:
         print(f"no fix states recorded in {states_file}", flush=True)
+    states_file.unlink(missing_ok=True)  # they go into .matrix/<version>.json with the rest
     return bool(states) and not any(codes), states, legs
 
 
