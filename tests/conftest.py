@@ -19,6 +19,7 @@ import sys
 
 import preloaded
 import pytest
+from helpers import run_python, with_tests_dir
 
 MODE = os.environ.get("MCORE_CPU_SHIM_MODE", "shim")
 SHIM_ACTIVE = MODE != "patched"
@@ -40,7 +41,7 @@ def pytest_configure(config):
         return
     worker = hasattr(config, "workerinput")
     if not worker:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")])))
+        env = dict(os.environ, PYTHONPATH=with_tests_dir(os.environ.get("PYTHONPATH")))
         config.preloaded_server = preloaded.start(env)
         if getattr(config.option, "numprocesses", None):
             return  # the xdist controller runs no tests
@@ -77,8 +78,6 @@ def pytest_sessionfinish(session):
     """For tools/matrix.py: each fix's state in a child interpreter with this session's
     environment (so the mode's MCORE_CPU_SHIM_DISABLE), written to STATES_FILE."""
     if STATES_FILE and not hasattr(session.config, "workerinput"):
-        from helpers import run_python
-
         result = run_python(RECORD_STATES)
         if result.returncode != 0:
             raise RuntimeError(f"recording the fix states failed:\n{result.stderr}")

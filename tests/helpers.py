@@ -77,14 +77,15 @@ def with_tests_dir(pythonpath):
     return os.pathsep.join(filter(None, [TESTS_DIR, pythonpath]))
 
 
-def start_python(code, args=(), *, stdout, stderr, env=None):
+def start_python(code, args=(), *, stdout, stderr, env=None, fresh=False):
     """``python -c code *args`` with ``env`` (default: this environment) in its own session,
     output to the named files. In a cuda_hidden session it is forked from the session's
     preloaded interpreter (tests/preloaded.py: torch already imported, ~8 s less per child);
-    otherwise it is a new interpreter. Returns a ``subprocess.Popen``-like process."""
+    otherwise, or if ``fresh``, it is a new interpreter. Returns a ``subprocess.Popen``-like
+    process."""
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = with_tests_dir(env.get("PYTHONPATH"))
-    if preloaded.available():
+    if preloaded.available() and not fresh:
         return preloaded.Process(textwrap.dedent(code), args, env=env, stdout=stdout, stderr=stderr)
     command = [sys.executable, "-c", textwrap.dedent(code), *args]
     with open(stdout, "w") as out, open(stderr, "a") as err:
@@ -106,15 +107,9 @@ def run_python(code, fresh=False, **env):
     """Run ``code`` with this environment plus ``env`` (and this folder on PYTHONPATH) and
     return a ``subprocess.CompletedProcess`` with its text output. ``fresh``: in a new
     interpreter even where a preloaded one is available (when torch must not be loaded yet)."""
-    full_env = dict(os.environ, **env)
-    if fresh:
-        full_env.pop(preloaded.ADDRESS_VARIABLE, None)
-        full_env["PYTHONPATH"] = with_tests_dir(full_env.get("PYTHONPATH"))
-        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
-                              capture_output=True, text=True, timeout=300)
     with tempfile.TemporaryDirectory() as folder:
         out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
-        process = start_python(code, env=full_env, stdout=out, stderr=err)
+        process = start_python(code, env=dict(os.environ, **env), stdout=out, stderr=err, fresh=fresh)
         try:
             process.wait(300)
         finally:

@@ -75,13 +75,13 @@ class Process:
     """``python -c code *args`` as a child of the server, with ``subprocess.Popen``'s
     ``pid``, ``returncode``, ``poll()`` and ``wait()``. Output goes to the files named."""
 
-    def __init__(self, code, args=(), env=None, cwd=None, stdout=os.devnull, stderr=os.devnull):
-        env = dict(os.environ if env is None else env)
+    def __init__(self, code, args, env, stdout, stderr):
+        env = dict(env)
         env.pop(ADDRESS_VARIABLE, None)
         self.args = ["-c", code, *args]
         self._connection = _connect()
         self._connection.send(
-            dict(code=code, argv=["-c", *args], env=env, cwd=cwd or os.getcwd(), stdout=stdout, stderr=stderr)
+            dict(code=code, argv=["-c", *args], env=env, cwd=os.getcwd(), stdout=stdout, stderr=stderr)
         )
         self.pid = self._connection.recv()
         if isinstance(self.pid, Exception):
