@@ -4,23 +4,42 @@ A fix names one or more targets (a module and a symbol in megatron-core). When a
 module is imported (or right away, if it already is), the engine reads the target's source
 and decides, once, what to do with it:
 
-- the source has the feature the fix is about?  no  -> ``not-applicable``
-- its fingerprint is one the fix knows as buggy? yes -> replace it        -> ``applied``
-- the CUDA assumption is no longer in the source?   -> leave it alone     -> ``upstream-fixed``
-- otherwise the code changed shape around the bug   -> leave it alone     -> ``unsupported``
+- the source has the feature the fix is about?     no  -> ``not-applicable``
+- its fingerprint is one the fix knows as buggy?   yes -> replace it        -> ``applied``
+- the CUDA assumption is no longer in the source?      -> leave it alone     -> ``upstream-fixed``
+- the code differs from every known release, but the bug site is there as the fix expects it
+  (each of the target's site checks holds)             -> apply the drift form -> ``applied``
+  (the detail says so and names the checks that passed)
+- otherwise the code changed at the bug site           -> leave it alone     -> ``unsupported``
   (and warn once, so the user knows this spot is unfixed).
 
 A fingerprint is a hash of the function's syntax tree without docstrings and comments, so
-reformatting does not matter but any change of code does. Replacements carry a marker; a
-target that already carries one (from this copy of the package or another) is left as is.
-Nothing here raises into the import of megatron-core.
+reformatting does not matter but any change of code does. Upstream changes code the fixes do
+not touch all the time (a new attribute in a constructor, a new keyword argument): the site
+checks let a fix follow such drift while making sure that what its replacement relies on (the
+bug expression, how often and where it occurs, the parameters and calls it uses) is still as
+the fix was written against. ``MCORE_CPU_SHIM_STRICT=1`` turns the drift path off (known
+fingerprints only).
+
+On drifted code a fix whose known-release replacement is a rewritten body does not use it (it
+would drop what upstream added): it rewrites the live function at the bug expressions instead
+(``rewrite``), compiled with the function's own globals, closure and file name, so every other
+line is upstream's and tracebacks point into megatron-core's source. A fix whose replacement
+only wraps the original uses the same wrapper on drifted code.
+
+Replacements carry a marker; a target that already carries one (from this copy of the package
+or another) is left as is. Nothing here raises into the import of megatron-core. The decision
+itself needs only source text (``classify``), so ``tools/coverage.py`` can run it over
+megatron-core trees it does not import.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import functools
 import hashlib
+import importlib
 import importlib.metadata
 import inspect
 import logging
@@ -41,6 +60,7 @@ logger = logging.getLogger("mcore_cpu_shim")
 logger.addHandler(logging.NullHandler())
 
 ENV_DISABLE = "MCORE_CPU_SHIM_DISABLE"
+ENV_STRICT = "MCORE_CPU_SHIM_STRICT"
 REPORT_URL = "https://github.com/mcore-cpu-shim/mcore-cpu-shim/issues"
 MARKER = "__mcore_cpu_shim__"
 # The import name of this copy: "mcore_cpu_shim", or e.g. "bridge._vendor.mcore_cpu_shim".
@@ -55,11 +75,21 @@ APPLIED = "applied"
 UPSTREAM_FIXED = "upstream-fixed"
 NOT_APPLICABLE = "not-applicable"
 UNSUPPORTED = "unsupported"
+# How the detail of a target applied by its site checks begins.
+DRIFTED = "code differs from every known release"
 DISABLED = "disabled"
 
 
 class McoreCpuShimWarning(UserWarning):
     """A fix could not be applied; megatron-core runs unpatched at that spot."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One thing a fix's drift form relies on at the bug site, checked on the target's code."""
+
+    description: str
+    holds: Callable[["Code"], bool]
 
 
 @dataclass
@@ -76,9 +106,17 @@ class Target:
     replacement: Callable[[Callable, types.ModuleType], Callable]
     # a snippet the target must contain for the fix to concern it at all
     feature: Optional[str] = None
+    # snippets that say upstream fixed the spot in its own way, even with a bug snippet there
+    fixed_by: Tuple[str, ...] = ()
     # the releases that lack this symbol altogether (e.g. a method added later); where it is
     # missing the target is not-applicable instead of unsupported
     absent_in: Optional[str] = None
+    # On code with the bug but no known fingerprint: what must hold at the bug site (empty:
+    # no drift form, such code is unsupported) ...
+    site: Tuple[Check, ...] = ()
+    # ... and what to apply there (None: ``replacement``, which must then be a wrapper that
+    # does not depend on the body).
+    drift: Optional[Callable[[Callable, types.ModuleType], Callable]] = None
     state: str = PENDING
     detail: str = "module not imported yet"
 
@@ -99,16 +137,10 @@ class Fix:
     def state(self) -> str:
         if self.disabled:
             return DISABLED
-        states = {t.state for t in self.targets}
-        for state in (PENDING, UNSUPPORTED, APPLIED, UPSTREAM_FIXED):
-            if state in states:
-                return state
-        return NOT_APPLICABLE
+        return combined_state({t.state for t in self.targets})
 
 
-def normalised_source(func: Callable) -> str:
-    """The function's code as ast.unparse writes it, without docstrings or indentation."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
+def _without_docstrings(tree: ast.AST) -> ast.AST:
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if (
@@ -119,7 +151,23 @@ def normalised_source(func: Callable) -> str:
             and isinstance(body[0].value.value, str)
         ):
             node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+def normalise(tree: ast.AST) -> str:
+    """A syntax tree as ast.unparse writes it, without docstrings or indentation."""
+    tree = _without_docstrings(copy.deepcopy(tree))
     return "\n".join(line.strip() for line in ast.unparse(tree).splitlines())
+
+
+def function_tree(func: Callable) -> ast.AST:
+    """The syntax tree of a function's own source (decorators included)."""
+    return ast.parse(textwrap.dedent(inspect.getsource(func))).body[0]
+
+
+def normalised_source(func: Callable) -> str:
+    """The function's code as ast.unparse writes it, without docstrings or indentation."""
+    return normalise(function_tree(func))
 
 
 def fingerprint(source: str) -> str:
@@ -128,11 +176,198 @@ def fingerprint(source: str) -> str:
 
 
 def mcore_version() -> str:
+    """The version of the megatron-core this process imports: ``megatron.core.package_info``
+    (a source tree or a git submodule, as Megatron-Bridge has it, has no package metadata), else
+    the installed distribution's metadata, else ``"unknown"``."""
+    info = sys.modules.get("megatron.core.package_info")
+    if info is None:
+        try:
+            info = importlib.import_module("megatron.core.package_info")
+        except Exception:  # not installed, or broken: say what the metadata says
+            info = None
+    version = getattr(info, "__version__", None)
+    if version:
+        return version
     try:
         return importlib.metadata.version("megatron-core")
     except importlib.metadata.PackageNotFoundError:
-        info = sys.modules.get("megatron.core.package_info")
-        return getattr(info, "__version__", "unknown")
+        return "unknown"
+
+
+def find_definition(tree: ast.AST, qualname: str) -> Tuple[Optional[ast.AST], bool]:
+    """The definition of ``qualname`` in a module's syntax tree, and whether its owner (the
+    module, or the class named before the last dot) exists there. Top-level definitions only,
+    the last one of a name winning, as at run time."""
+    node: Optional[ast.AST] = tree
+    *path, name = qualname.split(".")
+    for part in path:
+        node = _last_def(node, part)
+        if not isinstance(node, ast.ClassDef):
+            return None, False
+    return _last_def(node, name), True
+
+
+def _last_def(node: ast.AST, name: str) -> Optional[ast.AST]:
+    found = None
+    for child in getattr(node, "body", ()):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and child.name == name:
+            found = child
+    return found
+
+
+class Code:
+    """A target's code as the decision sees it: its syntax tree and normalised source, and a
+    way to look up another function's definition (for checks on what the fix calls)."""
+
+    def __init__(self, tree: ast.AST, lookup: Callable[[str, str], Optional[ast.AST]]):
+        self.tree = tree
+        self.text = normalise(tree)
+        self.lookup = lookup
+
+    def parameters(self, tree: Optional[ast.AST] = None) -> Tuple[str, ...]:
+        args = (tree or self.tree).args
+        every = args.posonlyargs + args.args + args.kwonlyargs
+        return tuple(a.arg for a in every)
+
+
+# Site checks, by what they look at. Counting is on the normalised source, whole lines where
+# the snippet ends in a newline (lines there carry no indentation).
+def occurs(snippet: str, times: int = 1) -> Check:
+    """The snippet occurs exactly ``times`` times."""
+    plural = "once" if times == 1 else f"{times} times"
+    return Check(f"{snippet.strip()!r} {plural}", lambda code: code.text.count(snippet) == times)
+
+
+def takes(*names: str) -> Check:
+    """The function has these parameters."""
+    return Check(
+        f"parameters {', '.join(names)}", lambda code: set(names) <= set(code.parameters())
+    )
+
+
+def uses_only(base: str, *allowed: str) -> Check:
+    """Every ``<base>.X`` the function names is one of ``allowed``."""
+
+    def holds(code):
+        used = {
+            node.attr
+            for node in ast.walk(code.tree)
+            if isinstance(node, ast.Attribute) and ast.unparse(node.value) == base
+        }
+        return used <= set(allowed)
+
+    return Check(f"{base} used only for {', '.join(allowed)}", holds)
+
+
+def cuda_attributes(*allowed: str) -> Check:
+    """Every ``torch.cuda.X`` the function names is one of ``allowed``."""
+    return uses_only("torch.cuda", *allowed)
+
+
+def other_takes(module: str, qualname: str, *names: str) -> Check:
+    """Another function (one the replacement calls) has these parameters."""
+
+    def holds(code):
+        tree = code.lookup(module, qualname)
+        return tree is not None and set(names) <= set(code.parameters(tree))
+
+    return Check(f"{qualname} takes {', '.join(names)}", holds)
+
+
+def _live_lookup(module_name: str, qualname: str) -> Optional[ast.AST]:
+    try:
+        owner, name = _owner(importlib.import_module(module_name), qualname)
+        raw = inspect.getattr_static(owner, name)
+        return function_tree(getattr(raw, "__func__", raw))
+    except Exception:
+        return None
+
+
+def classify(
+    target: Target, tree: Optional[ast.AST], lookup, strict: bool = False, releases: bool = True
+):
+    """The decision for a target's definition ``tree`` (None: the class inherits it, see
+    INHERITED): ``(state, detail, factory)``, where factory builds what to install (None where
+    nothing is installed). Needs only source, not the live function."""
+    if tree is None:
+        code, fp = None, INHERITED
+    else:
+        code = Code(tree, lookup)
+        fp = fingerprint(code.text)
+    source = code.text if code else ""
+    if target.feature is not None and target.feature not in source:
+        return NOT_APPLICABLE, f"this megatron-core has no {target.feature!r} in {target.qualname}", None
+    if fp in target.known_buggy and (releases or fp == INHERITED):
+        return APPLIED, f"replaced (code as in megatron-core {target.known_buggy[fp]})", target.replacement
+    if not any(snippet in source for snippet in target.bug) or any(
+        snippet in source for snippet in target.fixed_by
+    ):
+        return UPSTREAM_FIXED, "the CUDA assumption is no longer in this code", None
+    unfamiliar = f"unfamiliar code (fingerprint {fp}) still holding the CUDA assumption"
+    if strict:
+        return UNSUPPORTED, f"{unfamiliar}; {ENV_STRICT}=1 applies fixes to known code only", None
+    if not target.site:
+        return UNSUPPORTED, unfamiliar, None
+    failed = [check.description for check in target.site if not check.holds(code)]
+    if failed:
+        return UNSUPPORTED, f"{unfamiliar}; at the bug site, not as the fix expects: {'; '.join(failed)}", None
+    passed = "; ".join(check.description for check in target.site)
+    how = "rewritten at the bug site" if target.drift else "wrapped as on the known releases"
+    detail = f"{DRIFTED} (fingerprint {fp}): {how}; site checks passed: {passed}"
+    return APPLIED, detail, target.drift or target.replacement
+
+
+def classify_source(fixes, read: Callable[[str], Optional[str]], strict: bool = False):
+    """Every target's decision on a megatron-core tree that is read, not imported:
+    ``{fix name: {target name: (state, detail)}}``. ``read(module)`` gives a module's source
+    (None: no such module, the target stays pending)."""
+    trees: Dict[str, Optional[ast.AST]] = {}
+
+    def module_tree(module):
+        if module not in trees:
+            text = read(module)
+            trees[module] = None if text is None else ast.parse(text)
+        return trees[module]
+
+    def lookup(module, qualname):
+        tree = module_tree(module)
+        return None if tree is None else find_definition(tree, qualname)[0]
+
+    result: Dict[str, Dict[str, Tuple[str, str]]] = {}
+    for fix in fixes:
+        states = result[fix.name] = {}
+        for target in fix.targets:
+            tree = module_tree(target.module)
+            if tree is None:
+                states[target.name] = (PENDING, f"no module {target.module}")
+                continue
+            node, owner_found = find_definition(tree, target.qualname)
+            # Only a fix that adds an override asks about an inherited method here.
+            inherited = owner_found and "." in target.qualname and INHERITED in target.known_buggy
+            if node is None and not inherited:
+                if target.absent_in is not None:
+                    states[target.name] = (NOT_APPLICABLE, f"no {target.qualname} (as {target.absent_in})")
+                else:
+                    states[target.name] = (UNSUPPORTED, f"{target.qualname} not found")
+                continue
+            state, detail, _ = classify(target, node, lookup, strict)
+            states[target.name] = (state, detail)
+    return result
+
+
+def combined_state(states) -> str:
+    """One state for a fix from its targets' states (as ``Fix.state``)."""
+    for state in (PENDING, UNSUPPORTED, APPLIED, UPSTREAM_FIXED):
+        if state in states:
+            return state
+    return NOT_APPLICABLE
+
+
+def strict_from_env() -> bool:
+    value = os.environ.get(ENV_STRICT, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{ENV_STRICT}={value!r}: use 1 (known code only) or 0 (the default)")
+    return value == "1"
 
 
 def _owner(module: types.ModuleType, qualname: str) -> Tuple[object, str]:
@@ -171,23 +406,84 @@ def _decide(fix: Fix, target: Target, module: types.ModuleType) -> Tuple[str, st
             return APPLIED, "already applied"
         return APPLIED, f"applied by another copy: {marker['package']} {marker['version']}"
     if isinstance(owner, type) and name not in vars(owner):
-        source, fp = "", INHERITED
+        tree = None
     else:
         try:
-            source = normalised_source(original)
+            tree = function_tree(original)
         except (OSError, TypeError, SyntaxError) as exc:
             return UNSUPPORTED, f"cannot read the source of {target.name}: {exc}"
-        fp = fingerprint(source)
-    if target.feature is not None and target.feature not in source:
-        return NOT_APPLICABLE, f"this megatron-core has no {target.feature!r} in {target.qualname}"
-    if fp in target.known_buggy:
-        new = functools.update_wrapper(target.replacement(original, module), original)
+    state, detail, factory = classify(target, tree, _live_lookup, _strict, not _drift_only)
+    if factory is not None:
+        new = functools.update_wrapper(factory(original, module), original)
         setattr(new, MARKER, {"fix": fix.name, "package": PACKAGE, "version": __version__})
         _install(module, owner, name, raw, original, new)
-        return APPLIED, f"replaced (code as in megatron-core {target.known_buggy[fp]})"
-    if not any(snippet in source for snippet in target.bug):
-        return UPSTREAM_FIXED, "the CUDA assumption is no longer in this code"
-    return UNSUPPORTED, f"unfamiliar code (fingerprint {fp}) still holding the CUDA assumption"
+    return state, detail
+
+
+# The name under which rewritten code reaches the fix's helpers (a closure variable of the
+# rewritten function, so megatron-core's module namespace stays as it is).
+HELPERS = "_mcore_cpu_shim"
+
+
+def rewriting(helpers: object, replacements: Dict[str, str]):
+    """A drift factory: ``rewrite`` with these replacements and helpers (a fix's module)."""
+    return lambda original, module: rewrite(original, replacements, helpers)
+
+
+def rewrite(original: Callable, replacements: Dict[str, str], helpers: object) -> Callable:
+    """``original`` compiled again from its own source, with every expression whose normalised
+    text is a key of ``replacements`` replaced by the value (an expression that may use the
+    function's parameters and ``_mcore_cpu_shim.<helper>``, an attribute of ``helpers``).
+
+    The new function has the original's globals (the live module namespace), closure values
+    (``__class__`` for zero-argument ``super()``), decorators (but staticmethod/classmethod,
+    which ``_install`` keeps) and file name and line numbers, so tracebacks point into
+    megatron-core's source. Raises if a key is not found (the site checks make sure it is)."""
+    func = inspect.unwrap(original)
+    tree = function_tree(original)
+    ast.increment_lineno(tree, func.__code__.co_firstlineno - 1)
+    tree.decorator_list = [
+        d for d in tree.decorator_list if ast.unparse(d) not in ("staticmethod", "classmethod")
+    ]
+    found = dict.fromkeys(replacements, 0)
+
+    class Replace(ast.NodeTransformer):
+        def visit(self, node):
+            if isinstance(node, ast.expr):
+                text = ast.unparse(node)
+                if text in replacements:
+                    found[text] += 1
+                    new = ast.parse(replacements[text], mode="eval").body
+                    for part in ast.walk(new):
+                        ast.copy_location(part, node)
+                    return new
+            return self.generic_visit(node)
+
+    tree = Replace().visit(tree)
+    missing = [text for text, count in found.items() if not count]
+    if missing:
+        raise LookupError(f"not in {func.__qualname__}: {', '.join(missing)}")
+    freevars = func.__code__.co_freevars
+    factory = ast.FunctionDef(
+        name="_mcore_cpu_shim_factory",
+        args=ast.arguments(
+            posonlyargs=[],
+            args=[ast.arg(arg=n) for n in (*freevars, HELPERS)],
+            kwonlyargs=[],
+            kw_defaults=[],
+            defaults=[],
+        ),
+        body=[tree, ast.Return(value=ast.Name(id=tree.name, ctx=ast.Load()))],
+        decorator_list=[],
+        returns=None,
+        **({"type_params": []} if "type_params" in ast.FunctionDef._fields else {}),
+    )
+    factory = ast.fix_missing_locations(ast.copy_location(factory, tree))
+    code = compile(ast.Module(body=[factory], type_ignores=[]), func.__code__.co_filename, "exec")
+    namespace: dict = {}
+    exec(code, func.__globals__, namespace)  # defines only the factory, in ``namespace``
+    cells = [cell.cell_contents for cell in func.__closure__ or ()]
+    return namespace["_mcore_cpu_shim_factory"](*cells, helpers)
 
 
 def _on_import(fix: Fix, target: Target, module: types.ModuleType) -> None:
@@ -226,15 +522,22 @@ def parse_disabled(value: str, valid: Tuple[str, ...]) -> set:
 
 _lock = threading.RLock()
 _applied = False
+_strict = False
+# For the project's tests only: decide as if no release were known, so that every release's
+# own code goes through the site checks and the drift forms (tools/matrix.py's drift mode).
+ENV_DRIFT_ONLY = "_MCORE_CPU_SHIM_DRIFT_ONLY"
+_drift_only = False
 
 
 def apply(fixes: Tuple[Fix, ...]) -> None:
     """Hook every fix that is not disabled onto its target modules, once."""
-    global _applied
+    global _applied, _strict, _drift_only
     with _lock:
         if _applied:
             return
         disabled = parse_disabled(os.environ.get(ENV_DISABLE, ""), tuple(f.name for f in fixes))
+        _strict = strict_from_env()
+        _drift_only = os.environ.get(ENV_DRIFT_ONLY) == "1"
         _applied = True
         for fix in fixes:
             fix.disabled = fix.name in disabled

@@ -149,11 +149,49 @@ CHECK_PRELOAD = f"""
 """
 
 
+# Drift away from the bug site: a statement after ``result = []``.
+DRIFT_AWAY = ("        result = []\n", "        result = []\n        result.clear()\n")
+# Drift at the bug site: the synchronize call doubled.
+DRIFT_AT_SITE = (
+    "            torch.cuda.synchronize()\n",
+    "            torch.cuda.synchronize()\n            torch.cuda.synchronize()\n",
+)
+
+
+def _edited(tmp_path, edit):
+    return _megatron_copy(tmp_path, lambda t: t.replace(*edit, 1))
+
+
 @SHIM_ONLY
-def test_unfamiliar_code_is_left_alone_with_one_warning(tmp_path):
-    # The bug is still there, but the code around it changed: not ours to replace.
-    path = _megatron_copy(tmp_path, lambda t: t.replace("        result = []\n", "        result = []\n        result.clear()\n", 1))
-    report = run_json(CHECK_PRELOAD, PYTHONPATH=path)
+def test_drift_away_from_the_bug_site_is_rewritten_there(tmp_path):
+    from mcore_cpu_shim._engine import DRIFTED
+
+    report = run_json(
+        CHECK_PRELOAD.replace(
+            "print(json.dumps({",
+            """import torch
+    from mcore_cpu_shim import forbid_cuda
+    cpu = torch.arange(4.0)
+    with forbid_cuda():
+        [(_, _, (_, [(_, out)]))] = preload([("f", "k", (b"", [("item", cpu)]))], True)
+    print(json.dumps({"same": out is cpu, "file": preload.__code__.co_filename,""",
+        ),
+        PYTHONPATH=_edited(tmp_path, DRIFT_AWAY),
+    )
+    assert report["target"]["state"] == "applied", report
+    assert report["target"]["detail"].startswith(DRIFTED) and "rewritten at the bug site" in report["target"]["detail"]
+    assert report["marked"] and report["warnings"] == []
+    # No CUDA call for CPU tensors, the same tensor back, and upstream's own file in tracebacks.
+    assert report["same"]
+    assert report["file"].endswith("dist_checkpointing/strategies/filesystem_async.py")
+
+
+@SHIM_ONLY
+@pytest.mark.parametrize(
+    "edit, strict", [(DRIFT_AT_SITE, "0"), (DRIFT_AWAY, "1")], ids=["change at the bug site", "strict mode"]
+)
+def test_unfamiliar_code_is_left_alone_with_one_warning(tmp_path, edit, strict):
+    report = run_json(CHECK_PRELOAD, PYTHONPATH=_edited(tmp_path, edit), MCORE_CPU_SHIM_STRICT=strict)
     assert report["target"]["state"] == "unsupported", report
     assert not report["marked"]
     [warning] = report["warnings"]
@@ -161,6 +199,16 @@ def test_unfamiliar_code_is_left_alone_with_one_warning(tmp_path):
 
     assert "'dcp_collective_device'" in warning and f"megatron-core {mcore_version()}" in warning
     assert "Please report it at" in warning and "still assumes CUDA" in warning
+    if strict == "1":
+        assert "MCORE_CPU_SHIM_STRICT=1 applies fixes to known code only" in warning
+    else:
+        assert "not as the fix expects: 'torch.cuda.synchronize()' once" in warning
+
+
+def test_strict_switch_rejects_bad_values():
+    result = run_python("import mcore_cpu_shim", MCORE_CPU_SHIM_STRICT="yes")
+    assert result.returncode != 0
+    assert "ValueError: MCORE_CPU_SHIM_STRICT='yes'" in result.stderr
 
 
 @SHIM_ONLY

@@ -22,13 +22,20 @@ the three receives a tensor whose device it could follow, and the buffer is shar
 caller (also ``tensor_parallel.mappings`` and the sequence-parallel linear layers), so the
 decision is the host's, as in ``moe_dispatcher_device``. A CPU-placed model on a host *with*
 CUDA still gets CUDA buffers and masks, as before.
+
+On code that differs from every known release (drift), the live function is rewritten at the
+device expression only (``torch.cuda.current_device()`` -> ``buffer_device()``, ``'cuda'`` ->
+``mask_device()``: the same device where CUDA is available, the CPU where not), so what
+upstream changed around it stays; an ``lru_cache`` decorator is kept. The site checks make sure
+the device expression occurs once and ``torch.cuda`` is used for nothing else.
 """
 
 import contextlib
 import functools
 import operator
+import sys
 
-from .._engine import Fix, Target
+from .._engine import Fix, Target, cuda_attributes, occurs, rewriting
 
 _UTILS = "megatron.core.utils"
 _TRANSFORMER_UTILS = "megatron.core.transformer.utils"
@@ -38,6 +45,18 @@ def _cuda_usable():
     import torch
 
     return torch.cuda.is_available()
+
+
+def buffer_device():
+    """The buffer's device in drifted code: the current CUDA device, or the CPU without CUDA."""
+    import torch
+
+    return torch.cuda.current_device() if _cuda_usable() else "cpu"
+
+
+def mask_device():
+    """The masks' device in drifted code: ``'cuda'``, or the CPU without CUDA."""
+    return "cuda" if _cuda_usable() else "cpu"
 
 
 def _get_tensor(original, module):
@@ -98,6 +117,10 @@ def _sliding_window_causal_mask(original, module):
     return get_sliding_window_causal_mask
 
 
+_HERE = sys.modules[__name__]
+_MASK_SITE = (occurs("device='cuda'"), occurs("'cuda'"), cuda_attributes())
+_MASK_REWRITE = rewriting(_HERE, {"'cuda'": "_mcore_cpu_shim.mask_device()"})
+
 FIX = Fix(
     name="attention_buffers_device",
     summary="attention scores buffer and causal/sliding-window masks on the CPU where CUDA is "
@@ -109,6 +132,12 @@ FIX = Fix(
             known_buggy={"ce14aba4aeea50c2": "0.13.1-0.19.2"},
             bug=("device=torch.cuda.current_device()",),
             replacement=_get_tensor,
+            site=(
+                occurs("device=torch.cuda.current_device()"),
+                occurs("torch.cuda.current_device()"),
+                cuda_attributes("current_device"),
+            ),
+            drift=rewriting(_HERE, {"torch.cuda.current_device()": "_mcore_cpu_shim.buffer_device()"}),
         ),
         Target(
             module=_TRANSFORMER_UTILS,
@@ -116,6 +145,8 @@ FIX = Fix(
             known_buggy={"436f7192465b8639": "0.13.1-0.15.3", "1258ab6a0d4c38cf": "0.16.1-0.19.2"},
             bug=("device='cuda'",),
             replacement=_default_causal_mask,
+            site=_MASK_SITE,
+            drift=_MASK_REWRITE,
         ),
         Target(
             module=_TRANSFORMER_UTILS,
@@ -124,6 +155,8 @@ FIX = Fix(
             bug=("device='cuda'",),
             absent_in="0.13.1-0.14.0",
             replacement=_sliding_window_causal_mask,
+            site=_MASK_SITE,
+            drift=_MASK_REWRITE,
         ),
     ),
 )

@@ -21,11 +21,21 @@ megatron-core 0.13 and 0.14 run sync saves through the async machinery in ``asyn
 - ``AsyncCaller.sync_all_async_calls`` and ``AsyncCallsQueue.maybe_finalize_async_calls``
   all-reduce small tensors on ``torch.cuda.current_device()`` in the default group.
   Fix: use the default group's collective device, as above.
+
+On code that differs from every known release but still has the bug (drift), the live function
+is rewritten at the bug expression only, keeping everything upstream changed elsewhere:
+``torch.cuda.synchronize()`` becomes ``synchronize_if_initialized()`` (in ``preload_tensors``
+too: a tensor on CUDA means CUDA is initialised, so no needed wait is skipped; on a host where
+CUDA was never initialised nothing waits) and ``device=torch.cuda.current_device()`` becomes the
+group's collective device. The site checks make sure the expression occurs as often as in the
+releases, ``torch.cuda`` is used for nothing else, and the finalize broadcasts in
+``dist_wrapper.group`` (whose device it takes) while the async calls reduce in the default group.
 """
 
+import sys
 from time import time
 
-from .._engine import Fix, Target, normalised_source
+from .._engine import Fix, Target, cuda_attributes, normalised_source, occurs, rewriting, takes
 
 
 def collective_device(group):
@@ -35,6 +45,14 @@ def collective_device(group):
     if torch.distributed.get_backend(group) == torch.distributed.Backend.GLOO:
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def synchronize_if_initialized():
+    """Wait for the device only where CUDA was initialised: if it never was, nothing is pending."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _preload_tensors(original, module):
@@ -172,6 +190,17 @@ def _maybe_finalize_async_calls(original, module):
 
 
 _STRATEGIES = "megatron.core.dist_checkpointing.strategies"
+_HERE = sys.modules[__name__]
+_SYNCHRONIZE = {"torch.cuda.synchronize()": "_mcore_cpu_shim.synchronize_if_initialized()"}
+_SYNCHRONIZE_SITE = (occurs("torch.cuda.synchronize()"), cuda_attributes("synchronize"))
+_DEFAULT_GROUP_DEVICE = {"torch.cuda.current_device()": "_mcore_cpu_shim.collective_device(None)"}
+_DEFAULT_GROUP_SITE = (
+    occurs("device=torch.cuda.current_device())"),
+    occurs("torch.cuda.current_device()"),
+    occurs("torch.distributed.all_reduce(ten"),
+    occurs("group=", 0),
+    cuda_attributes("current_device"),
+)
 
 FIX = Fix(
     name="dcp_collective_device",
@@ -183,6 +212,8 @@ FIX = Fix(
             known_buggy={"6090d2f20074d3ec": "0.13.1-0.16.1", "af987556126ce1a8": "0.17.1-0.19.2"},
             bug=("if non_blocking:\ntorch.cuda.synchronize()",),
             replacement=_preload_tensors,
+            site=(occurs("if non_blocking:\ntorch.cuda.synchronize()"), *_SYNCHRONIZE_SITE),
+            drift=rewriting(_HERE, _SYNCHRONIZE),
         ),
         Target(
             module=f"{_STRATEGIES}.state_dict_saver",
@@ -191,6 +222,18 @@ FIX = Fix(
             bug=("device=torch.cuda.current_device()",),
             feature="torch.distributed.broadcast(",
             replacement=_save_state_dict_async_finalize,
+            site=(
+                takes("dist_wrapper"),
+                occurs("device=torch.cuda.current_device())"),
+                occurs("torch.cuda.current_device()"),
+                occurs("torch.distributed.broadcast("),
+                occurs("group=dist_wrapper.group)"),
+                cuda_attributes("current_device"),
+            ),
+            drift=rewriting(
+                _HERE,
+                {"torch.cuda.current_device()": "_mcore_cpu_shim.collective_device(dist_wrapper.group)"},
+            ),
         ),
         Target(
             module=f"{_STRATEGIES}.async_utils",
@@ -198,6 +241,8 @@ FIX = Fix(
             known_buggy={"84d51cd83e75539a": "0.13.1-0.16.1", "54305b0f99de743a": "0.17.1-0.19.2"},
             bug=("start_sync = time()\ntorch.cuda.synchronize()",),
             replacement=_schedule_async_call,
+            site=_SYNCHRONIZE_SITE,
+            drift=rewriting(_HERE, _SYNCHRONIZE),
         ),
         Target(
             module=f"{_STRATEGIES}.async_utils",
@@ -205,6 +250,8 @@ FIX = Fix(
             known_buggy={"845a64689f812d90": "0.13.1-0.19.2"},
             bug=("device=torch.cuda.current_device()",),
             replacement=_sync_all_async_calls,
+            site=_DEFAULT_GROUP_SITE,
+            drift=rewriting(_HERE, _DEFAULT_GROUP_DEVICE),
         ),
         Target(
             module=f"{_STRATEGIES}.async_utils",
@@ -212,6 +259,8 @@ FIX = Fix(
             known_buggy={"a8e9e75a275c5434": "0.13.1-0.19.2"},
             bug=("device=torch.cuda.current_device()",),
             replacement=_maybe_finalize_async_calls,
+            site=_DEFAULT_GROUP_SITE,
+            drift=rewriting(_HERE, _DEFAULT_GROUP_DEVICE),
         ),
     ),
 )

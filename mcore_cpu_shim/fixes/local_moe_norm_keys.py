@@ -29,11 +29,15 @@ spec (``get_gpt_decoder_block_spec``, which builds a dense and a MoE spec from
 through the module, so it gets the fixed map too. The replacement calls the original and drops
 the entry from the map of the result it returns; the multi-latent-attention branch has no map
 and is returned as is.
+
+On code that differs from every known release (drift), the same wrapper runs (it does not
+depend on the body); the site checks make sure the builder still takes ``num_experts`` and
+builds one keys map with the entry.
 """
 
 import inspect
 
-from .._engine import Fix, Target
+from .._engine import Fix, Target, occurs, takes
 
 PRE_MLP_NORM = "pre_mlp_layernorm."
 
@@ -65,6 +69,7 @@ def _local_builder(submodules_of):
 # Normalised source (ast.unparse quotes strings with ').
 FEATURE = "'input_layernorm.': 'self_attention.linear_qkv.layer_norm_'"
 BUG = ("'pre_mlp_layernorm.': 'mlp.linear_fc1.layer_norm_'",)
+SITE = (takes("num_experts"), occurs(BUG[0]), occurs("sharded_state_dict_keys_map="))
 
 FIX = Fix(
     name="local_moe_norm_keys",
@@ -78,6 +83,7 @@ FIX = Fix(
             # 0.17 on: a thin wrapper around get_gpt_layer_local_submodules, no map of its own.
             feature=FEATURE,
             replacement=_local_builder(lambda spec: spec.submodules),
+            site=SITE,
         ),
         Target(
             module="megatron.core.models.gpt.gpt_layer_specs",
@@ -87,6 +93,7 @@ FIX = Fix(
             feature=FEATURE,
             absent_in="0.13-0.16",
             replacement=_local_builder(lambda submodules: submodules),
+            site=SITE,
         ),
     ),
 )

@@ -46,6 +46,12 @@ so that a later change to the module's globals is seen, as by the original (a di
 hundred names, once per MoE layer). Swapping ``torch.cuda.Stream`` or the class attribute for
 the duration of the call would change shared state instead, and would not cover the indices.
 
+On code that differs from every known release (drift: upstream main added a batch-invariant
+attribute and a ``cudagraph_attrs`` entry in July 2026) the same replacement runs, since it
+runs upstream's own constructor and changes only what ``torch`` means inside it. The site
+checks make sure that is still safe: the body names ``torch`` only for ``device``, ``arange``
+and ``cuda``, ``torch.cuda`` only for ``Stream``, and creates the stream in one place.
+
 Not covered (other constructors on the MoE path, left as they are): ``TopKRouter`` puts its
 expert-bias, global-aux-loss and (0.19) quantile-balancing buffers on the current CUDA device
 from 0.15 on; ``SharedExpertMLP`` creates a CUDA stream with ``moe_shared_expert_overlap``;
@@ -55,7 +61,7 @@ defaults none of them is reached.
 
 import types
 
-from .._engine import Fix, Target
+from .._engine import Fix, Target, cuda_attributes, occurs, uses_only
 
 
 class _HostCuda:
@@ -139,6 +145,11 @@ FIX = Fix(
                 "else 'cpu'\n",
             ),
             replacement=_alltoall_dispatcher_init,
+            site=(
+                uses_only("torch", "arange", "cuda", "device"),
+                cuda_attributes("Stream"),
+                occurs("torch.cuda.Stream()"),
+            ),
         ),
     ),
 )

@@ -28,26 +28,91 @@ original code:
   token counts as CPU tensors, the split sizes as NumPy arrays. With a stream: the original.
 - the two collectives allocate their outputs on the input's device when it is not a CUDA
   device; CUDA input runs the original.
+
+On code that differs from every known release (drift), the live functions are rewritten at the
+bug expressions, so what upstream changed around them stays:
+
+- ``gating``, ``_gather_along_first_dim``, ``_AllToAll.forward``: ``torch.cuda.current_device()``
+  becomes ``device_for(<input>)``: the current CUDA device for CUDA input (as before), the
+  input's own device otherwise (the weight moves are then no-ops on the CPU). Checked: every
+  use is a weight move (``.data.to(device=...)``) or an output allocation (``device=...)``),
+  and the input parameter has the name the rewrite uses. ``gating`` also binds
+  ``te_general_gemm`` as above.
+- ``_maybe_dtoh_and_synchronize``: the side-stream calls go through helpers that do nothing for
+  a dispatcher without a stream (``current_stream``, ``stream``, ``record_event``,
+  ``synchronize``) and call CUDA exactly as before with one; ``maybe_move_tensor_to_cpu``
+  also turns CPU split sizes into NumPy arrays. Checked: the stream is used at exactly the four
+  places the releases use it, and ``torch.cuda`` for nothing else.
 """
 
+import contextlib
 import functools
 import importlib
 import inspect
+import sys
 
-from .._engine import Fix, Target
+from .._engine import Check, Fix, Target, cuda_attributes, occurs, rewrite, rewriting, takes
 
 _ROUTER = "megatron.core.transformer.moe.router"
 _DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
 _MAPPINGS = "megatron.core.tensor_parallel.mappings"
 
 
-def _gating(original, module):
+def device_for(tensor):
+    """Where drifted code allocates for ``tensor``: the current CUDA device for a CUDA tensor
+    (as upstream), the tensor's own device otherwise."""
     import torch
 
+    return torch.cuda.current_device() if tensor.is_cuda else tensor.device
+
+
+def current_stream(side_stream):
+    """What drifted code compares its side stream with: nothing to compare without one."""
+    import torch
+
+    return None if side_stream is None else torch.cuda.current_stream()
+
+
+def stream(side_stream):
+    import torch
+
+    return contextlib.nullcontext() if side_stream is None else torch.cuda.stream(side_stream)
+
+
+def record_event(side_stream):
+    return None if side_stream is None else side_stream.record_event()
+
+
+def synchronize(event):
+    if event is not None:
+        event.synchronize()
+
+
+def host_mover(move):
+    """``maybe_move_tensor_to_cpu`` for drifted code: a CPU tensor is already there, and
+    becomes a NumPy array where one is asked for (the CUDA path's result)."""
+    import torch
+
+    def moved(tensor, as_numpy=False, **kwargs):
+        if torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy() if as_numpy else tensor
+        return move(tensor, as_numpy=as_numpy, **kwargs)
+
+    return moved
+
+
+def _bind_te_general_gemm():
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if "te_general_gemm" not in vars(moe_utils):
         # TE did not import (0.13 ... 0.16): the name the PyTorch path checks for.
         moe_utils.te_general_gemm = None
+    return moe_utils
+
+
+def _gating(original, module):
+    import torch
+
+    moe_utils = _bind_te_general_gemm()
     takes_bias = "bias" in inspect.signature(moe_utils.router_gating_linear).parameters
 
     def gating(self, input):
@@ -160,6 +225,29 @@ def _all_to_all_forward(original, module):
     return forward
 
 
+_HERE = sys.modules[__name__]
+
+
+def _only_allocations(*forms):
+    """Every ``torch.cuda.current_device()`` is the device of one of ``forms``."""
+    call = "torch.cuda.current_device()"
+    return Check(
+        f"{call} only in {' or '.join(forms)}",
+        lambda code: code.text.count(call) == sum(code.text.count(f) for f in forms) > 0,
+    )
+
+
+def _device_of(parameter):
+    return {"torch.cuda.current_device()": f"_mcore_cpu_shim.device_for({parameter})"}
+
+
+def _drifted_gating(original, module):
+    _bind_te_general_gemm()
+    return rewrite(original, _device_of("input"), _HERE)
+
+
+_DTOH = "self.cuda_dtoh_stream"
+
 FIX = Fix(
     name="moe_forward_device",
     summary="alltoall MoE forward with CPU tensors: router gating, DtoH step and the "
@@ -171,6 +259,12 @@ FIX = Fix(
             known_buggy={"6753f7dd3e63782d": "0.13.1-0.14.0", "dd802c6a78cda6e8": "0.15.3-0.19.2"},
             bug=("device=torch.cuda.current_device()",),
             replacement=_gating,
+            site=(
+                takes("input"),
+                _only_allocations(".data.to(device=torch.cuda.current_device())\n"),
+                cuda_attributes("current_device"),
+            ),
+            drift=_drifted_gating,
         ),
         Target(
             module=_DISPATCHER,
@@ -179,6 +273,25 @@ FIX = Fix(
             # The DtoH branch as released; patches/0007 puts a stream-less branch before it.
             bug=("\nif point == self.cuda_dtoh_point:\non_side_stream = torch.cuda.current_stream()",),
             replacement=_dtoh_and_synchronize,
+            site=(
+                occurs(f"on_side_stream = torch.cuda.current_stream() != {_DTOH}\n"),
+                occurs(f"if on_side_stream:\n{_DTOH}.wait_stream(torch.cuda.current_stream())\n"),
+                occurs(f"with torch.cuda.stream({_DTOH}):\n"),
+                occurs(f"self.d2h_event = {_DTOH}.record_event()\n"),
+                occurs("self.d2h_event.synchronize()"),
+                occurs(_DTOH, 4),
+                cuda_attributes("current_stream", "stream"),
+            ),
+            drift=rewriting(
+                _HERE,
+                {
+                    "torch.cuda.current_stream()": f"_mcore_cpu_shim.current_stream({_DTOH})",
+                    f"torch.cuda.stream({_DTOH})": f"_mcore_cpu_shim.stream({_DTOH})",
+                    f"{_DTOH}.record_event()": f"_mcore_cpu_shim.record_event({_DTOH})",
+                    "self.d2h_event.synchronize()": "_mcore_cpu_shim.synchronize(self.d2h_event)",
+                    "maybe_move_tensor_to_cpu": "_mcore_cpu_shim.host_mover(maybe_move_tensor_to_cpu)",
+                },
+            ),
         ),
         Target(
             module=_MAPPINGS,
@@ -186,6 +299,12 @@ FIX = Fix(
             known_buggy={"f6106c8e7bf71177": "0.13.1-0.19.2"},
             bug=("device=torch.cuda.current_device()",),
             replacement=_gather_along_first_dim,
+            site=(
+                takes("input_"),
+                _only_allocations("device=torch.cuda.current_device())"),
+                cuda_attributes("current_device"),
+            ),
+            drift=rewriting(_HERE, _device_of("input_")),
         ),
         Target(
             module=_MAPPINGS,
@@ -193,6 +312,12 @@ FIX = Fix(
             known_buggy={"34451a47e5f6f7a3": "0.13.1-0.17.1", "8e72e875765b2080": "0.18.2-0.19.2"},
             bug=("device=torch.cuda.current_device()",),
             replacement=_all_to_all_forward,
+            site=(
+                takes("input"),
+                _only_allocations("device=torch.cuda.current_device())"),
+                cuda_attributes("current_device"),
+            ),
+            drift=rewriting(_HERE, _device_of("input")),
         ),
     ),
 )

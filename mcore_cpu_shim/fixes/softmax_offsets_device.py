@@ -30,47 +30,36 @@ the original.
 megatron-core 0.13 and 0.14 have no softmax offsets. 0.15 has them, but allocates both
 without naming a device (always on the CPU, the learnable one left uninitialised): there is no
 CUDA placement to fix, so the fix is ``not-applicable`` on 0.13 … 0.15.
+On code that differs from every known release (drift), the same wrapper runs: it passes every
+argument but ``config`` on as it came, so new parameters reach the original. The site checks
+make sure the original still takes ``config`` first, reads ``softmax_type`` only in the one
+if/elif chain that makes the offset (the ``vanilla`` branch setting it to ``None``, the other
+two on ``torch.cuda.current_device()``), as its last statement, and defines
+``num_attention_heads_per_partition``, the offset's length.
+
 Transformer Engine's attention (``TEDotProductAttention``) only passes ``softmax_type`` on to
 Transformer Engine, which creates its own offset; TE modules cannot be built without CUDA.
 """
 
+import ast
 import copy
 
-from .._engine import Fix, Target
+from .._engine import Check, Fix, Target, occurs
 
 
 def _dot_product_attention_init(original, module):
     import torch
 
-    def __init__(
-        self,
-        config,
-        layer_number,
-        attn_mask_type,
-        attention_type,
-        attention_dropout=None,
-        softmax_scale=None,
-        cp_comm_type=None,
-        pg_collection=None,
-    ):
-        rest = dict(
-            layer_number=layer_number,
-            attn_mask_type=attn_mask_type,
-            attention_type=attention_type,
-            attention_dropout=attention_dropout,
-            softmax_scale=softmax_scale,
-            cp_comm_type=cp_comm_type,
-            pg_collection=pg_collection,
-        )
+    def __init__(self, config, *args, **kwargs):
         softmax_type = config.softmax_type
         if softmax_type not in ("off-by-one", "learnable"):
-            original(self, config, **rest)
+            original(self, config, *args, **kwargs)
             return
 
         # Everything but the offset, by the original code; it sets self.softmax_offset = None.
         vanilla = copy.copy(config)
         vanilla.softmax_type = "vanilla"
-        original(self, vanilla, **rest)
+        original(self, vanilla, *args, **kwargs)
         self.config = config
         del self.softmax_offset
 
@@ -104,6 +93,22 @@ FIX = Fix(
             # allocates them without a device (nothing to place).
             feature="(self.num_attention_heads_per_partition, device=",
             replacement=_dot_product_attention_init,
+            site=(
+                Check("takes config first", lambda code: code.parameters()[1:2] == ("config",)),
+                occurs("softmax_type", 3),
+                occurs("torch.cuda.current_device()", 2),
+                occurs("device=torch.cuda.current_device(), dtype=self.config.params_dtype)", 2),
+                occurs("if self.config.softmax_type == 'vanilla':\nself.softmax_offset = None\n"),
+                occurs("elif self.config.softmax_type == 'off-by-one':\n"),
+                occurs("elif self.config.softmax_type == 'learnable':\n"),
+                occurs("self.num_attention_heads_per_partition = "),
+                Check(
+                    "the offset's if/elif chain is the last statement",
+                    lambda code: ast.unparse(code.tree.body[-1]).startswith(
+                        "if self.config.softmax_type == 'vanilla':"
+                    ),
+                ),
+            ),
         ),
     ),
 )

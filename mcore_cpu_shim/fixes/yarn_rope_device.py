@@ -46,11 +46,40 @@ explicitly (see ``_VARIANTS``): 0.13 has no ``packed_seq`` argument; 0.14 adds i
 ``correction_range_round_to_int`` and takes the scale from ``_yarn_get_concentration_factor``;
 0.16 moves the computation into ``get_emb`` (``forward`` adds the context-parallel split) and
 builds the ramp mask directly on the device.
+
+On code that differs from every known release but still has the bug (drift, e.g. the
+0.15.0 release candidates, whose constructor builds the frequencies under
+``with torch.device(device):``), a rewritten copy of an older body would drop what upstream
+changed, so the live functions are rewritten at the bug expressions instead:
+
+- ``forward``/``get_emb``: each ``torch.cuda.current_device()`` in the two frequency moves
+  becomes ``table_device(self)``; the site checks make sure those are its only two uses and
+  that the rest of the computation follows the frequencies' device (``torch.arange(...,
+  device=self.inv_freq_extra.device``). Unlike the known-release form, a module whose tables
+  live on the meta device gets its frequencies moved there too.
+- ``__init__``: the positional ``super().__init__(...)`` call becomes ``init_base(...)``, which
+  passes the same arguments by keyword under ``use_cpu_initialization=True`` and by position
+  (upstream, untouched) otherwise; checked: the call reads exactly as in 0.13/0.14 and the base
+  class's constructor takes those names.
+- ``_apply``: an override of upstream's own counts as fixed only if it clears a memo
+  (``.cache_clear()``); otherwise it is wrapped the same way as the inherited one.
 """
 
 import functools
+import sys
 
-from .._engine import INHERITED, Fix, Target, fingerprint, normalised_source
+from .._engine import (
+    INHERITED,
+    Fix,
+    Target,
+    cuda_attributes,
+    fingerprint,
+    normalised_source,
+    occurs,
+    other_takes,
+    rewriting,
+    takes,
+)
 
 _MODULE = "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding"
 _CLASS = "YarnRotaryEmbedding"
@@ -148,6 +177,34 @@ def _embedding(self, module, max_seq_len, offset, round_to_int, concentration, m
     # [seq_length, 1, 1, dim]
     emb = emb[:, None, None, :]
     return emb, _mscale
+
+
+def table_device(self):
+    """Where a drifted ``forward``/``get_emb`` moves the frequencies: the tables' device."""
+    return _table_device(self)
+
+
+# The base class's parameters, in the order 0.13/0.14 pass them by position.
+_BASE_ARGUMENTS = (
+    "kv_channels",
+    "rotary_percent",
+    "rotary_interleaved",
+    "seq_len_interpolation_factor",
+    "rotary_base",
+    "use_cpu_initialization",
+    "cp_group",
+)
+_POSITIONAL_BASE_CALL = f"super().__init__({', '.join(_BASE_ARGUMENTS)})"
+
+
+def init_base(base, *arguments):
+    """A drifted constructor's base-class call: by keyword with CPU initialisation (the
+    arguments reach the parameters they are named after), by position otherwise (upstream)."""
+    named = dict(zip(_BASE_ARGUMENTS, arguments))
+    if named["use_cpu_initialization"]:
+        base.__init__(**named)
+    else:
+        base.__init__(*arguments)
 
 
 def _init(original, module):
@@ -289,6 +346,18 @@ def _apply_override(original, module):
     return _apply
 
 
+_HERE = sys.modules[__name__]
+_MOVES = (
+    occurs("self.inv_freq_extra = self.inv_freq_extra.to(device=torch.cuda.current_device())\n"),
+    occurs("self.inv_freq_inter = self.inv_freq_inter.to(device=torch.cuda.current_device())\n"),
+    occurs("torch.cuda.current_device()", 2),
+    occurs("torch.arange(max_seq_len, device=self.inv_freq_extra.device"),
+    cuda_attributes("current_device"),
+)
+_MOVES_REWRITE = rewriting(
+    _HERE, {"torch.cuda.current_device()": "_mcore_cpu_shim.table_device(self)"}
+)
+
 FIX = Fix(
     name="yarn_rope_device",
     summary="YaRN RoPE tables built on the module's device (CPU with use_cpu_initialization), "
@@ -301,6 +370,19 @@ FIX = Fix(
             # The base class's arguments by position (0.15 passes them by keyword).
             bug=("rotary_base, use_cpu_initialization, cp_group)",),
             replacement=_init,
+            site=(
+                occurs(_POSITIONAL_BASE_CALL),
+                takes(*_BASE_ARGUMENTS),
+                other_takes(
+                    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+                    "RotaryEmbedding.__init__",
+                    *_BASE_ARGUMENTS,
+                ),
+            ),
+            drift=rewriting(
+                _HERE,
+                {_POSITIONAL_BASE_CALL: f"_mcore_cpu_shim.init_base(super(), {', '.join(_BASE_ARGUMENTS)})"},
+            ),
         ),
         Target(
             module=_MODULE,
@@ -310,6 +392,8 @@ FIX = Fix(
             # From 0.16 forward only adds the CP split to get_emb, the next target.
             feature="self.inv_freq_extra",
             replacement=_forward,
+            site=_MOVES,
+            drift=_MOVES_REWRITE,
         ),
         Target(
             module=_MODULE,
@@ -318,13 +402,18 @@ FIX = Fix(
             bug=("torch.cuda.current_device()",),
             absent_in="0.13.1-0.15.3",
             replacement=_get_emb,
+            site=_MOVES,
+            drift=_MOVES_REWRITE,
         ),
         Target(
             module=_MODULE,
             qualname=f"{_CLASS}._apply",
             known_buggy={INHERITED: "0.13.1-0.19.2"},
-            bug=(),
+            # An override of upstream's own: fixed if it forgets a memo, else wrapped.
+            bug=("def _apply(",),
+            fixed_by=(".cache_clear()",),
             replacement=_apply_override,
+            site=(takes("fn"),),
         ),
     ),
 )
