@@ -16,12 +16,18 @@ GUARDED = (
     "synchronize",
     "current_device",
     "set_device",
-    "Stream",
-    "Event",
     "current_stream",
     "default_stream",
     "get_device_properties",
 )
+
+# Classes whose construction is guarded. They must stay the very same class objects: code
+# imported inside a block uses them as types (``torch.cuda.Event | None`` in a class body,
+# isinstance, subclassing), which a function in their place breaks. So each one keeps its
+# identity and only its own ``__new__`` is replaced; that trips for subclasses too, and for
+# ``from torch.cuda import Stream`` done before the block. ExternalStream too: its own __new__
+# enters torch.cuda.device() before it reaches Stream's, which fails otherwise on CPU builds.
+GUARDED_CLASSES = ("Stream", "ExternalStream", "Event")
 
 
 class CudaTouchedError(RuntimeError):
@@ -32,8 +38,11 @@ class CudaTouchedError(RuntimeError):
 # while any is open. Blocks may overlap without nesting (the pytest plugin opens one per test
 # phase while a fixture's block spans them): the entry points are replaced when the first block
 # opens and restored when the last one closes; a call is recorded in every open block.
+# _saved_new maps each guarded class to the ``__new__`` entry of its own __dict__ (_NONE: none).
 _open = []
 _saved = {}
+_saved_new = {}
+_NONE = object()
 
 
 def _tripwire(name):
@@ -46,6 +55,31 @@ def _tripwire(name):
     return tripped
 
 
+def _arm(cuda):
+    _saved.update({name: getattr(cuda, name) for name in GUARDED if hasattr(cuda, name)})
+    for name in _saved:
+        setattr(cuda, name, _tripwire(name))
+    for name in GUARDED_CLASSES:
+        cls = getattr(cuda, name, None)
+        if isinstance(cls, type):
+            # The raw __dict__ entry (a staticmethod), not getattr's unwrapped function; the
+            # replacement is a staticmethod too, as Python makes of a __new__ in a class body.
+            _saved_new[cls] = cls.__dict__.get("__new__", _NONE)
+            cls.__new__ = staticmethod(_tripwire(name))
+
+
+def _disarm(cuda):
+    for name, value in _saved.items():
+        setattr(cuda, name, value)
+    for cls, original in _saved_new.items():
+        if original is _NONE:
+            del cls.__new__
+        else:
+            cls.__new__ = original
+    _saved.clear()
+    _saved_new.clear()
+
+
 @contextlib.contextmanager
 def forbid_cuda():
     """Fail on any CUDA-initialising torch.cuda call in the block; yields the list of calls."""
@@ -54,18 +88,14 @@ def forbid_cuda():
     touched = []
     was_initialized = torch.cuda.is_initialized()
     if not _open:
-        _saved.update({name: getattr(torch.cuda, name) for name in GUARDED if hasattr(torch.cuda, name)})
-        for name in _saved:
-            setattr(torch.cuda, name, _tripwire(name))
+        _arm(torch.cuda)
     _open.append(touched)
     try:
         yield touched
     finally:
         _open[:] = [block for block in _open if block is not touched]
         if not _open:
-            for name, value in _saved.items():
-                setattr(torch.cuda, name, value)
-            _saved.clear()
+            _disarm(torch.cuda)
     if touched:
         raise CudaTouchedError(f"{len(touched)} CUDA call(s) inside forbid_cuda(); first: {touched[0]}")
     if torch.cuda.is_initialized() and not was_initialized:
