@@ -122,11 +122,11 @@ def zero_uninitialised_softmax_offsets(model):
     """megatron-core 0.15 creates the learnable softmax offsets with torch.empty and never
     initialises them (0.16 does): each rank would hold different leftover memory in a tensor
     that is replicated, saved once and reloaded everywhere. Start them at zero there."""
-    import importlib.metadata
-
     import torch
 
-    if importlib.metadata.version("megatron-core").startswith("0.15."):
+    from ._engine import mcore_version
+
+    if mcore_version().startswith("0.15."):
         with torch.no_grad():
             for name, parameter in model.named_parameters():
                 if name.endswith("softmax_offset"):
@@ -259,11 +259,10 @@ class Rank:
         return True
 
     def finish(self, passed):
-        import importlib.metadata
-
         import torch
 
         from . import status
+        from ._engine import mcore_version
 
         self.record(
             done=True,
@@ -271,7 +270,7 @@ class Rank:
             cuda_initialized=torch.cuda.is_initialized(),
             driver_libraries=driver_libraries(),
             fixes={name: fix["state"] for name, fix in status().items()},
-            mcore=importlib.metadata.version("megatron-core"),
+            mcore=mcore_version(),  # package_info: a source tree has no package metadata
             torch=torch.__version__,
             features=features() if "megatron.core" in sys.modules else {},
             **self.facts,

@@ -40,7 +40,6 @@ import copy
 import functools
 import hashlib
 import importlib
-import importlib.metadata
 import inspect
 import logging
 import os
@@ -54,6 +53,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import wrapt
 
+from ._mcore_version import mcore_version  # noqa: F401  (for the warning, doctor, demo)
 from ._version import __version__
 
 logger = logging.getLogger("mcore_cpu_shim")
@@ -173,25 +173,6 @@ def normalised_source(func: Callable) -> str:
 def fingerprint(source: str) -> str:
     """A short hash of a normalised source."""
     return hashlib.sha256(source.encode()).hexdigest()[:16]
-
-
-def mcore_version() -> str:
-    """The version of the megatron-core this process imports: ``megatron.core.package_info``
-    (a source tree or a git submodule, as Megatron-Bridge has it, has no package metadata), else
-    the installed distribution's metadata, else ``"unknown"``."""
-    info = sys.modules.get("megatron.core.package_info")
-    if info is None:
-        try:
-            info = importlib.import_module("megatron.core.package_info")
-        except Exception:  # not installed, or broken: say what the metadata says
-            info = None
-    version = getattr(info, "__version__", None)
-    if version:
-        return version
-    try:
-        return importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def find_definition(tree: ast.AST, qualname: str) -> Tuple[Optional[ast.AST], bool]:

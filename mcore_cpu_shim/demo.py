@@ -281,7 +281,8 @@ def print_table(summary):
     print()
     yes_no = {True: "yes", False: "no", None: "unknown (a rank did not finish)"}
     print(f"megatron-core {summary['megatron_core']}, torch {summary['torch']}; "
-          f"{summary['ranks']} ranks, expert parallelism {summary['expert_parallel']}")
+          f"{summary['ranks']} rank{'s' if summary['ranks'] != 1 else ''}, "
+          f"expert parallelism {summary['expert_parallel']}")
     for label, _ in PASSES:
         print(f"{label}: {summary['delivery'][label]}")
     missing = [k for k, v in summary["features"].items() if not v]

@@ -3,14 +3,14 @@
 It imports what a conversion imports (torch, every module a fix targets, Transformer Engine),
 then reports: torch and its build, whether CUDA is usable and whether those imports
 initialised it, which CUDA driver and toolkit libraries they mapped into the process, the
-megatron-core version, Transformer Engine's status, and each fix's state per target.
+megatron-core version (from megatron.core.package_info, so also for a source tree without
+package metadata), Transformer Engine's status, and each fix's state per target.
 
 Exit status 1 when megatron-core has a CUDA assumption that no fix covers (a fix
 ``unsupported``) or fails to import; 0 otherwise.
 """
 
 import importlib
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -55,6 +55,19 @@ def mapped_libraries():
 def driver_libraries():
     """The NVIDIA driver libraries mapped into this process ([] where /proc is absent)."""
     return [name for name in mapped_libraries() or [] if name.startswith(DRIVER_LIBRARIES)]
+
+
+def megatron_core_found():
+    """Whether ``megatron.core`` can be imported here: an installed release, or a source tree
+    on the path (a git checkout or submodule, as Megatron-Bridge has it), which has no package
+    metadata. Looks without importing megatron.core itself (its parent package ``megatron``
+    is imported, as any import of megatron.core would)."""
+    if sys.modules.get("megatron.core") is not None:
+        return True
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except Exception:  # no "megatron" package at all, or one that fails to import
+        return False
 
 
 def _import_targets(package, report):
@@ -108,11 +121,7 @@ def collect():
             build = f"ROCm {torch.version.hip}"
         report["torch"] = {"version": torch.__version__, "build": build}
 
-    try:
-        importlib.metadata.version("megatron-core")
-        installed = True
-    except importlib.metadata.PackageNotFoundError:
-        installed = importlib.util.find_spec("megatron") is not None
+    installed = megatron_core_found()
     if installed and torch is not None:
         _import_targets(package, report)
     report["megatron_core"] = {"version": _engine.mcore_version() if installed else None}

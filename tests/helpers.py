@@ -7,12 +7,27 @@ import sys
 import tempfile
 import textwrap
 import time
-from importlib.metadata import version
+
+import importlib.util
 
 import preloaded
 
+
+def _load_mcore_version():
+    """The package's one reader of megatron-core's version, loaded from its file: importing
+    the package would activate the shim (in patched mode, and in children that test a
+    vendored copy, it must stay off)."""
+    origin = importlib.util.find_spec("mcore_cpu_shim").origin
+    path = os.path.join(os.path.dirname(origin), "_mcore_version.py")
+    spec = importlib.util.spec_from_file_location("_tests_mcore_version", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.mcore_version
+
+
+mcore_version = _load_mcore_version()
 MODE = os.environ.get("MCORE_CPU_SHIM_MODE", "shim")
-MCORE_VERSION = tuple(int(p) for p in version("megatron-core").split(".")[:2])
+MCORE_VERSION = tuple(int(p) for p in mcore_version().split(".")[:2])
 
 
 def expected_state():

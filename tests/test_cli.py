@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from helpers import MODE, expected_state, run_python, with_tests_dir
-from test_engine import _megatron_copy
+from test_engine import DRIFT_AT_SITE, _megatron_copy
 from test_te_guard import NO_DRIVER, fake_te
 
 pytestmark = pytest.mark.skipif(MODE != "shim", reason=f"mode {MODE}: the command line is part of the shim")
@@ -36,9 +36,9 @@ def test_doctor_reports_host_megatron_te_and_fixes(tmp_path, monkeypatch, capsys
     assert report["torch"] == {"version": torch.__version__, "build": f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU"}
     assert report["cuda"] == {"initialised": False, "usable": False, "CUDA_VISIBLE_DEVICES": ""}
     assert report["driver_libraries"] == []
-    from importlib.metadata import version
+    from mcore_cpu_shim._engine import mcore_version
 
-    assert report["megatron_core"]["version"] == version("megatron-core")
+    assert report["megatron_core"]["version"] == mcore_version()
     te = report["transformer_engine"]
     assert te["status"] == "unusable" and te["reason"] == f"OSError: {NO_DRIVER}", te
     assert te["guard"]["mode"] == "auto"
@@ -57,8 +57,8 @@ def test_doctor_reports_host_megatron_te_and_fixes(tmp_path, monkeypatch, capsys
 
 @pytest.mark.cuda_hidden
 def test_doctor_fails_on_a_cuda_assumption_no_fix_covers(tmp_path):
-    # The bug is still there but the code around it changed: the fix leaves it alone.
-    path = _megatron_copy(tmp_path, lambda t: t.replace("        result = []\n", "        result = []\n        result.clear()\n", 1))
+    # The bug is still there but the code changed at the bug site: the fix leaves it alone.
+    path = _megatron_copy(tmp_path, lambda t: t.replace(*DRIFT_AT_SITE, 1))
     result = cli("doctor", "--json", PYTHONPATH=path)
     assert result.returncode == 1, result.stderr[-3000:]
     report = json.loads(result.stdout)

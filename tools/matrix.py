@@ -1,14 +1,23 @@
 """The megatron-core version matrix, run by tox (one virtualenv per Python, see tox.ini).
 
-python tools/matrix.py test VERSION... [-- PYTEST_ARGS]
+python tools/matrix.py test [--drift VERSION]... VERSION... [-- PYTEST_ARGS]
     For each release: install it without dependencies into .mcore/<version> (reused when
     present) and run the test suite in every delivery mode it supports:
       shim          unmodified megatron-core + the shim
-      patched       megatron-core with patches/series applied, shim disabled (MCORE_CPU_SHIM_DISABLE=all)
+      patched       megatron-core with patches/series applied, shim switched off
+                    (MCORE_CPU_SHIM_DISABLE=all, MCORE_CPU_SHIM_TE=off)
       patched+shim  the same patched tree with the shim active: it must stand down, so
                     only tests/test_engine.py runs there (it checks every fix's state)
+      drift         (releases named by --drift) the shim mode with the release's known
+                    fingerprints ignored, so every fix goes through its site checks and its
+                    drift form: the whole suite proves the drift forms behave like the
+                    known-release replacements
     The patched modes run where every patch applies (.mcore/<version>-patched, which also
     holds the megatron unit tests the patches add; those run in the patched mode too).
+    VERSION may also be ``snapshots``: every unreleased megatron-core tree in
+    ../shared/upstream (megatron-core-<name>.tar.xz, extracted to .mcore/<name>), in shim
+    mode only (the patches are made against releases); skipped with a message where that
+    folder is absent (a clone without the project's shared data).
     Each mode runs two pytest sessions (CUDA legs), each with MATRIX_WORKERS processes
     (pytest-xdist; default: the cores, at most 4).
     Fix states, patch results, mode results and per-leg counts go to .matrix/<version>.json.
@@ -25,6 +34,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -32,7 +42,13 @@ ROOT = Path(__file__).resolve().parent.parent
 PATCHES = ROOT / "patches"
 OVERLAYS = ROOT / ".mcore"
 RESULTS = ROOT / ".matrix"
-MODES = ("shim", "patched", "patched+shim")
+UPSTREAM = ROOT.parent / "shared" / "upstream"
+MODES = ("shim", "patched", "patched+shim", "drift")
+# Environment of a mode beyond MCORE_CPU_SHIM_MODE.
+MODE_ENV = {
+    "patched": {"MCORE_CPU_SHIM_DISABLE": "all", "MCORE_CPU_SHIM_TE": "off"},
+    "drift": {"_MCORE_CPU_SHIM_DRIFT_ONLY": "1"},
+}
 # Test processes per pytest session (pytest-xdist); most of a test's time is a child
 # interpreter importing torch and megatron, so this scales with the cores.
 NO_TESTS_COLLECTED = 5  # pytest's exit code, e.g. a leg with no tests in patched+shim
@@ -41,6 +57,28 @@ WORKERS = ["-n", os.environ.get("MATRIX_WORKERS", str(min(4, os.cpu_count() or 1
 def series():
     lines = (PATCHES / "series").read_text().splitlines()
     return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def snapshots():
+    """{name: tarball} of the unreleased megatron-core trees in ../shared/upstream."""
+    return {
+        tarball.name.removeprefix("megatron-core-").removesuffix(".tar.xz"): tarball
+        for tarball in sorted(UPSTREAM.glob("megatron-core-*.tar.xz"))
+    }
+
+
+def snapshot_overlay(name, tarball):
+    target = OVERLAYS / name
+    if not (target / "megatron" / "core" / "package_info.py").is_file():
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
+        with tarfile.open(tarball) as archive:
+            archive.extractall(target, filter="data")
+    return target
+
+
+def is_release(label):
+    return label[:1].isdigit()
 
 
 def overlay(version):
@@ -86,10 +124,10 @@ def leg_counts(junit):
 
 
 def run_mode(version, mode, tree, pytest_args):
-    env = dict(os.environ, PYTHONPATH=str(tree), MCORE_CPU_SHIM_MODE=mode)
-    env.pop("MCORE_CPU_SHIM_DISABLE", None)
-    if mode == "patched":
-        env["MCORE_CPU_SHIM_DISABLE"] = "all"
+    env = dict(os.environ, PYTHONPATH=str(tree), MCORE_CPU_SHIM_MODE="shim" if mode == "drift" else mode)
+    for name in ("MCORE_CPU_SHIM_DISABLE", "MCORE_CPU_SHIM_TE", "MCORE_CPU_SHIM_STRICT"):
+        env.pop(name, None)
+    env.update(MODE_ENV.get(mode, {}))
     if mode == "patched+shim":
         # The shim must stand down on patched code (every fix upstream-fixed, nothing replaced),
         # so the behaviour there is the patched mode's; the engine tests check the stand-down.
@@ -123,19 +161,34 @@ def run_mode(version, mode, tree, pytest_args):
     return bool(states) and not any(codes), states, legs
 
 
-def test(versions, pytest_args):
+def test(versions, pytest_args, drift=()):
     failed = []
     RESULTS.mkdir(exist_ok=True)
+    if "snapshots" in versions:
+        found = snapshots()
+        if not found:
+            print(f"\nno upstream snapshots: {UPSTREAM} is absent or empty; their legs are skipped")
+        at = versions.index("snapshots")
+        versions = versions[:at] + list(found) + versions[at + 1:]
     for version in versions:
         print(f"\n===== megatron-core {version} (Python {sys.version.split()[0]}) =====", flush=True)
-        plain = overlay(version)
-        patched, patches = patched_overlay(version, plain)
+        if is_release(version):
+            plain = overlay(version)
+            patched, patches = patched_overlay(version, plain)
+        else:
+            plain, patched, patches = snapshot_overlay(version, snapshots()[version]), None, {}
         record = {"mcore": version, "patches": patches, "modes": {}, "states": {}, "legs": {}}
         for mode in MODES:
-            if mode != "shim" and "needs rebase" in patches.values():
+            if mode == "drift" and version not in drift:
+                continue
+            if mode in ("patched", "patched+shim") and patched is None:
+                record["modes"][mode] = "not run (unreleased tree: shim only)"
+                continue
+            if mode in ("patched", "patched+shim") and "needs rebase" in patches.values():
                 record["modes"][mode] = "not run (a patch needs rebase)"
                 continue
-            ok, states, legs = run_mode(version, mode, plain if mode == "shim" else patched, pytest_args)
+            tree = patched if mode in ("patched", "patched+shim") else plain
+            ok, states, legs = run_mode(version, mode, tree, pytest_args)
             record["modes"][mode] = "passed" if ok else "FAILED"
             record["states"][mode] = states
             record["legs"][mode] = legs
@@ -165,7 +218,9 @@ def report():
     if not runs:
         print(f"no results in {RESULTS}")
         return 1
-    runs.sort(key=lambda r: tuple(int(x) for x in r["mcore"].split(".")))
+    # Releases oldest first, then the unreleased trees by name.
+    runs.sort(key=lambda r: (0, tuple(int(x) for x in r["mcore"].split(".")), "")
+              if is_release(r["mcore"]) else (1, (), r["mcore"]))
     releases = [r["mcore"] for r in runs]
     fixes = sorted({fix for r in runs for fix in r["states"].get("shim", {})})
     table("Fix state per megatron-core release (mode shim: unmodified megatron-core + shim):",
@@ -194,4 +249,11 @@ if __name__ == "__main__":
         print(tree)
         sys.exit(0 if "needs rebase" not in results.values() else 1)
     split = rest.index("--") if "--" in rest else len(rest)
-    sys.exit(test(rest[:split], rest[split + 1:]))
+    versions, drift = [], []
+    words = iter(rest[:split])
+    for word in words:
+        if word == "--drift":
+            drift.append(next(words))
+        else:
+            versions.append(word)
+    sys.exit(test(versions, rest[split + 1:], drift))
