@@ -53,7 +53,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import wrapt
 
-from ._mcore_version import mcore_version  # noqa: F401  (for the warning, doctor, demo)
+from ._mcore_tree import mcore_version, module_file
 from ._version import __version__
 
 logger = logging.getLogger("mcore_cpu_shim")
@@ -320,7 +320,7 @@ def classify_source(fixes, read: Callable[[str], Optional[str]], strict: bool = 
         for target in fix.targets:
             tree = module_tree(target.module)
             if tree is None:
-                states[target.name] = (PENDING, f"no module {target.module}")
+                states[target.name] = _module_absent(target)
                 continue
             node, owner_found = find_definition(tree, target.qualname)
             # Only a fix that adds an override asks about an inherited method here.
@@ -334,6 +334,13 @@ def classify_source(fixes, read: Callable[[str], Optional[str]], strict: bool = 
             state, detail, _ = classify(target, node, lookup, strict)
             states[target.name] = (state, detail)
     return result
+
+
+def _module_absent(target: Target) -> Tuple[str, str]:
+    """The decision for a target whose module this megatron-core does not have."""
+    if target.absent_in is not None:
+        return NOT_APPLICABLE, f"this megatron-core has no module {target.module} (as {target.absent_in})"
+    return UNSUPPORTED, f"this megatron-core has no module {target.module}"
 
 
 def combined_state(states) -> str:
@@ -530,8 +537,20 @@ def apply(fixes: Tuple[Fix, ...]) -> None:
                 wrapt.register_post_import_hook(hook, target.module)
 
 
+def _settle_absent_modules(fixes: Tuple[Fix, ...]) -> None:
+    """Targets still pending once megatron-core is imported, whose module its tree does not
+    have: decided now (such a module is never imported, so no hook would ever run)."""
+    if "megatron.core" not in sys.modules:
+        return
+    for fix in fixes:
+        for target in fix.targets:
+            if target.state == PENDING and module_file(target.module) is None:
+                target.state, target.detail = _module_absent(target)
+
+
 def status(fixes: Tuple[Fix, ...]) -> Dict[str, dict]:
     with _lock:
+        _settle_absent_modules(fixes)
         return {
             fix.name: {
                 "state": fix.state,

@@ -13,26 +13,54 @@ import importlib.util
 import preloaded
 
 
-def _load_mcore_version():
-    """The package's one reader of megatron-core's version, loaded from its file: importing
-    the package would activate the shim (in patched mode, and in children that test a
-    vendored copy, it must stay off)."""
+def _load_mcore_tree():
+    """The package's one way to find megatron-core's tree and version, loaded from its file:
+    importing the package would activate the shim (in patched mode, and in children that test
+    a vendored copy, it must stay off)."""
     origin = importlib.util.find_spec("mcore_cpu_shim").origin
-    path = os.path.join(os.path.dirname(origin), "_mcore_version.py")
-    spec = importlib.util.spec_from_file_location("_tests_mcore_version", path)
+    path = os.path.join(os.path.dirname(origin), "_mcore_tree.py")
+    spec = importlib.util.spec_from_file_location("_tests_mcore_tree", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.mcore_version
+    return module
 
 
-mcore_version = _load_mcore_version()
+_mcore_tree = _load_mcore_tree()
+mcore_version = _mcore_tree.mcore_version
 MODE = os.environ.get("MCORE_CPU_SHIM_MODE", "shim")
 MCORE_VERSION = tuple(int(p) for p in mcore_version().split(".")[:2])
 
 
-def expected_state():
-    """The state every fix that concerns this megatron-core must report in this mode."""
+def megatron_source(module):
+    """The source of a megatron-core module in the tree on the path, read without importing
+    megatron.core (None if the tree has no such module)."""
+    path = _mcore_tree.module_file(module)
+    if path is None:
+        return None
+    with open(path) as source:
+        return source.read()
+
+
+def expected_state(fix=None):
+    """The state every fix that concerns this megatron-core must report in this mode. In shim
+    mode, a fix that this tree's own source shows fixed (an upstream branch with the fix in)
+    reads upstream-fixed, decided from source as tools/coverage.py does."""
+    if MODE == "shim" and fix is not None and fix in upstream_fixed_here():
+        return "upstream-fixed"
     return {"shim": "applied", "patched+shim": "upstream-fixed", "patched": "disabled"}[MODE]
+
+
+def upstream_fixed_here():
+    """The fixes whose every target this tree's source shows fixed or not concerned."""
+    from mcore_cpu_shim import _engine
+    from mcore_cpu_shim.fixes import FIXES
+
+    decided = _engine.classify_source(FIXES, megatron_source)
+    return {
+        name
+        for name, targets in decided.items()
+        if _engine.combined_state({state for state, _ in targets.values()}) == _engine.UPSTREAM_FIXED
+    }
 
 
 def init_gloo(store_dir, rank=0, world_size=1, expert_parallel=1):

@@ -70,10 +70,10 @@ def test_fix_state_matches_mode():
     importlib.import_module("megatron.core.utils")
     importlib.import_module("megatron.core.transformer.utils")
     fix = mcore_cpu_shim.status()[FIX]
-    assert fix["state"] == expected_state(), fix
-    assert fix["targets"][BUFFER]["state"] == expected_state(), fix
-    assert fix["targets"][CAUSAL]["state"] == expected_state(), fix
-    window = "not-applicable" if MCORE_VERSION < (0, 15) and MODE != "patched" else expected_state()
+    assert fix["state"] == expected_state("attention_buffers_device"), fix
+    assert fix["targets"][BUFFER]["state"] == expected_state("attention_buffers_device"), fix
+    assert fix["targets"][CAUSAL]["state"] == expected_state("attention_buffers_device"), fix
+    window = "not-applicable" if MCORE_VERSION < (0, 15) and MODE != "patched" else expected_state("attention_buffers_device")
     assert fix["targets"][WINDOW]["state"] == window, fix
 
 

@@ -11,11 +11,10 @@ every release's own code sent through the site checks.
 
 import ast
 import copy
-import importlib.util
-import os
 
 import pytest
 from helpers import MODE
+from helpers import megatron_source as read
 
 from mcore_cpu_shim import _engine
 from mcore_cpu_shim.fixes import FIXES
@@ -24,16 +23,6 @@ pytestmark = pytest.mark.cuda_hidden
 
 TARGETS = [(fix.name, target) for fix in FIXES for target in fix.targets]
 IDS = [target.name.split(":")[1] for _, target in TARGETS]
-
-
-def read(module):
-    """A megatron-core module's source from the tree on the path, without importing it."""
-    for root in importlib.util.find_spec("megatron").submodule_search_locations:
-        path = os.path.join(os.path.dirname(root), *module.split(".")) + ".py"
-        if os.path.isfile(path):
-            with open(path) as source:
-                return source.read()
-    return None
 
 
 def lookup(module, qualname):

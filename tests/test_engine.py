@@ -7,7 +7,7 @@ import os
 import shutil
 
 import pytest
-from helpers import MODE, expected_state, run_python
+from helpers import MODE, expected_state, megatron_source, run_python
 
 pytestmark = pytest.mark.cuda_hidden
 
@@ -194,10 +194,11 @@ def test_unfamiliar_code_is_left_alone_with_one_warning(tmp_path, edit, strict):
     report = run_json(CHECK_PRELOAD, PYTHONPATH=_edited(tmp_path, edit), MCORE_CPU_SHIM_STRICT=strict)
     assert report["target"]["state"] == "unsupported", report
     assert not report["marked"]
-    [warning] = report["warnings"]
+    # (In strict mode, on unreleased megatron-core, other fixes warn about their drift too.)
+    [warning] = [w for w in report["warnings"] if "'dcp_collective_device'" in w]
     from mcore_cpu_shim._engine import mcore_version
 
-    assert "'dcp_collective_device'" in warning and f"megatron-core {mcore_version()}" in warning
+    assert f"megatron-core {mcore_version()}" in warning
     assert "Please report it at" in warning and "still assumes CUDA" in warning
     if strict == "1":
         assert "MCORE_CPU_SHIM_STRICT=1 applies fixes to known code only" in warning
@@ -246,9 +247,19 @@ def test_second_copy_of_the_package_stands_down(tmp_path):
 
 def test_every_fix_reaches_its_expected_state():
     import mcore_cpu_shim
+    from mcore_cpu_shim import _engine
+    from mcore_cpu_shim.fixes import FIXES
 
     for fix in mcore_cpu_shim.status().values():
         for target in fix["targets"]:
-            importlib.import_module(target.split(":")[0])
-    states = {name: fix["state"] for name, fix in mcore_cpu_shim.status().items()}
-    assert set(states.values()) <= {expected_state(), "not-applicable"}, states
+            module = target.split(":")[0]
+            if megatron_source(module) is not None:  # else settled as this tree lacking it
+                importlib.import_module(module)
+    status = mcore_cpu_shim.status()
+    for name, fix in status.items():
+        assert fix["state"] in {expected_state(name), "not-applicable"}, (name, fix)
+    if MODE == "shim":
+        # The live decision is the one tools/coverage.py makes from source alone.
+        static = _engine.classify_source(FIXES, megatron_source)
+        live = {name: {t: s["state"] for t, s in fix["targets"].items()} for name, fix in status.items()}
+        assert live == {name: {t: s for t, (s, _) in targets.items()} for name, targets in static.items()}

@@ -20,6 +20,11 @@ import sys
 
 import pytest
 
+# Imported at collection, outside every forbid_cuda block: unmodified megatron-core main asks
+# the device at import (its GDP probe, which the shim's gdp_probe_device fixes), and this
+# session runs megatron-core unmodified.
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
 
 def test_hides_a_cuda_call():
     import torch
@@ -37,8 +42,6 @@ def test_cpu_only():
 
 
 def test_fixture_leaves_megatron_unmodified(forbid_cuda):
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-
     preload = FileSystemWriterAsync.__dict__["preload_tensors"].__func__
     assert not hasattr(preload, "__mcore_cpu_shim__")
     assert not any(name.split(".")[0] == "mcore_cpu_shim" for name in sys.modules)

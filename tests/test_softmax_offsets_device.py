@@ -104,7 +104,7 @@ def test_fix_state_matches_mode():
         # 0.13/0.14 have no offsets; 0.15 allocates them without a device.
         assert fix["state"] == "not-applicable", fix
     else:
-        assert fix["state"] == expected_state(), fix
+        assert fix["state"] == expected_state("softmax_offsets_device"), fix
     assert fix["targets"][TARGET]["state"] == fix["state"], fix
 
 

@@ -65,7 +65,10 @@ def test_older_copy_first_then_newer_copy_adds_only_what_is_missing(tmp_path):
         import mcore_cpu_shim as new
         for fix in new.status().values():
             for target in fix["targets"]:
-                importlib.import_module(target.split(":")[0])
+                try:
+                    importlib.import_module(target.split(":")[0])
+                except ImportError:
+                    pass  # a module this megatron-core does not have (not-applicable)
         print(json.dumps({"old": old.status(), "new": new.status()}))
         """,
         PYTHONPATH=vendor(tmp_path, fixes_kept=1),

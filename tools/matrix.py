@@ -51,6 +51,7 @@ MODE_ENV = {
 }
 # Test processes per pytest session (pytest-xdist); most of a test's time is a child
 # interpreter importing torch and megatron, so this scales with the cores.
+NOT_HERE = "not applicable (no such file)"
 NO_TESTS_COLLECTED = 5  # pytest's exit code, e.g. a leg with no tests in patched+shim
 WORKERS = ["-n", os.environ.get("MATRIX_WORKERS", str(min(4, os.cpu_count() or 1)))]
 
@@ -101,13 +102,31 @@ def git_apply(tree, patch):
     return subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True)
 
 
+def changed_files(patch):
+    """The megatron-core files a patch changes (not the ones it creates)."""
+    files, current = [], None
+    for line in (PATCHES / patch).read_text().splitlines():
+        if line.startswith("diff --git a/"):
+            current = line.split()[2][2:]
+            if current.startswith("megatron/"):
+                files.append(current)
+        elif line.startswith("new file mode") and current in files:
+            files.remove(current)
+    return files
+
+
 def patched_overlay(version, plain):
-    """A copy of the release with every patch applied in order; per patch: applies or not."""
+    """A copy of the release with every patch applied in order; per patch: applies, needs
+    rebase, or not applicable (it changes only files this release does not have, as a patch
+    for code that exists on megatron-core main only)."""
     tree = OVERLAYS / f"{version}-patched"
     shutil.rmtree(tree, ignore_errors=True)
     shutil.copytree(plain, tree, ignore=shutil.ignore_patterns("__pycache__"))
     results = {}
     for patch in series():
+        if not any((tree / path).is_file() for path in changed_files(patch)):
+            results[patch] = NOT_HERE
+            continue
         results[patch] = "applies" if git_apply(tree, patch).returncode == 0 else "needs rebase"
     return tree, results
 
@@ -128,6 +147,9 @@ def run_mode(version, mode, tree, pytest_args):
     for name in ("MCORE_CPU_SHIM_DISABLE", "MCORE_CPU_SHIM_TE", "MCORE_CPU_SHIM_STRICT"):
         env.pop(name, None)
     env.update(MODE_ENV.get(mode, {}))
+    # An unreleased tree's package_info appends the hash of the git repository around it: the
+    # trees here sit inside this project's clone, whose hash is not theirs.
+    env["GIT_CEILING_DIRECTORIES"] = str(OVERLAYS)
     if mode == "patched+shim":
         # The shim must stand down on patched code (every fix upstream-fixed, nothing replaced),
         # so the behaviour there is the patched mode's; the engine tests check the stand-down.

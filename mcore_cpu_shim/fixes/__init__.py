@@ -3,6 +3,7 @@
 from . import (
     attention_buffers_device,
     dcp_collective_device,
+    gdp_probe_device,
     local_moe_norm_keys,
     moe_dispatcher_device,
     moe_forward_device,
@@ -18,4 +19,5 @@ FIXES = (
     local_moe_norm_keys.FIX,
     attention_buffers_device.FIX,
     moe_forward_device.FIX,
+    gdp_probe_device.FIX,
 )

@@ -1,4 +1,4 @@
-"""Which megatron-core this process imports, found without importing it.
+"""Which megatron-core tree this process imports, and its version, found without importing it.
 
 A source tree or a git submodule (how Megatron-Bridge has megatron-core) has no package
 metadata, and a tree on ``PYTHONPATH`` may shadow an installed release whose metadata would
@@ -16,24 +16,37 @@ import runpy
 import sys
 
 
+def _roots():
+    """The folders that hold the ``megatron`` package Python would import."""
+    try:
+        spec = importlib.util.find_spec("megatron")
+        return list(spec.submodule_search_locations or []) if spec else []
+    except Exception:  # a broken "megatron" package
+        return []
+
+
+def module_file(module: str):
+    """The source file of a ``megatron...`` module in that tree, or None if it has none."""
+    parts = module.split(".")[1:]
+    for root in _roots():
+        for path in (os.path.join(root, *parts) + ".py", os.path.join(root, *parts, "__init__.py")):
+            if os.path.isfile(path):
+                return path
+    return None
+
+
 def mcore_version() -> str:
     """megatron-core's version: ``package_info.__version__`` of the imported (or importable)
     tree, else the installed distribution's metadata, else ``"unknown"``."""
     info = sys.modules.get("megatron.core.package_info")
     if getattr(info, "__version__", None):
         return info.__version__
-    try:
-        spec = importlib.util.find_spec("megatron")
-        locations = list(spec.submodule_search_locations or []) if spec else []
-    except Exception:  # a broken "megatron" package: fall back to the metadata
-        locations = []
-    for location in locations:
-        path = os.path.join(location, "core", "package_info.py")
-        if os.path.isfile(path):
-            try:
-                return str(runpy.run_path(path)["__version__"])
-            except Exception:
-                break
+    path = module_file("megatron.core.package_info")
+    if path is not None:
+        try:
+            return str(runpy.run_path(path)["__version__"])
+        except Exception:  # a broken package_info: fall back to the metadata
+            pass
     try:
         return importlib.metadata.version("megatron-core")
     except importlib.metadata.PackageNotFoundError:
