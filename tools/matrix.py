@@ -154,6 +154,12 @@ def run_mode(version, mode, tree, pytest_args):
         # The shim must stand down on patched code (every fix upstream-fixed, nothing replaced),
         # so the behaviour there is the patched mode's; the engine tests check the stand-down.
         paths = ["tests/test_engine.py"]
+    elif mode == "drift":
+        # What the drift forms must do alike: every fix's own tests, the engine's, and the
+        # end-to-end runs (forward, multi-rank save, demo); the rest does not depend on them.
+        fix_tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*_device.py"))
+        paths = fix_tests + ["tests/test_local_moe_norm_keys.py", "tests/test_engine.py",
+                             "tests/test_cpu_forward.py", "tests/test_multirank.py", "tests/test_demo.py"]
     else:
         paths = ["tests"]
     if mode == "patched" and (tree / "tests" / "unit_tests").is_dir():
