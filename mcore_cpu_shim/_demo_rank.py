@@ -1,7 +1,8 @@
 """One rank of ``mcore-cpu-shim demo``: run the conversion steps, record each one.
 
 Started by demo.py as ``python -m mcore_cpu_shim._demo_rank SPEC RANK`` in a fresh interpreter
-(importing the package first, so MCORE_CPU_SHIM_DISABLE decides whether the fixes are on).
+(importing the package first, so MCORE_CPU_SHIM_DISABLE decides whether the fixes are on and
+MCORE_CPU_SHIM_TE whether the Transformer Engine import guard is).
 SPEC is a JSON file the parent wrote (model size, world, where to write). Every step appends
 one JSON line to ``<events>/rank<RANK>.jsonl`` as soon as it ends, so the parent can print
 progress and still knows how far a rank got if it has to be killed; a last line holds the
@@ -261,7 +262,7 @@ class Rank:
     def finish(self, passed):
         import torch
 
-        from . import status
+        from . import _te_guard, status
         from ._engine import mcore_version
 
         self.record(
@@ -270,6 +271,7 @@ class Rank:
             cuda_initialized=torch.cuda.is_initialized(),
             driver_libraries=driver_libraries(),
             fixes={name: fix["state"] for name, fix in status().items()},
+            te_guard={k: v for k, v in _te_guard.state().items() if k in ("mode", "reason")},
             mcore=mcore_version(),  # package_info: a source tree has no package metadata
             torch=torch.__version__,
             features=features() if "megatron.core" in sys.modules else {},

@@ -3,9 +3,11 @@
 The model (local spec, YaRN RoPE, learnable softmax offsets, alltoall MoE) is built with
 ``use_cpu_initialization=True`` by N ranks in a Gloo group (expert parallelism E), saved with
 ``dist_checkpointing``, reloaded into a freshly built model, compared tensor by tensor, and run
-forward (original and reloaded, logits compared). Once with every fix disabled
-(``MCORE_CPU_SHIM_DISABLE=all``: what megatron-core does on its own) and once with the shim as
-this environment configures it. Each rank is a fresh interpreter with CUDA hidden
+forward (original and reloaded, logits compared). Once without the shim (every fix disabled
+and the Transformer Engine import guard off: ``MCORE_CPU_SHIM_DISABLE=all``,
+``MCORE_CPU_SHIM_TE=off``, so what megatron-core does on its own, including dying at import
+on a Transformer Engine that cannot load) and once with the shim as this environment
+configures it. Each rank is a fresh interpreter with CUDA hidden
 (``CUDA_VISIBLE_DEVICES=""``), so the demo is safe on a GPU host too; in the second pass every
 step runs under ``forbid_cuda()``.
 
@@ -26,6 +28,8 @@ import time
 from ._demo_rank import STEPS
 
 PASSES = (("without shim", "without-shim"), ("with shim", "with-shim"))
+# The pass without the shim: no fix and no Transformer Engine guard.
+WITHOUT_SHIM = {"MCORE_CPU_SHIM_DISABLE": "all", "MCORE_CPU_SHIM_TE": "off"}
 
 
 def add_parser(subparsers):
@@ -199,6 +203,18 @@ def _delivery(facts):
     return ", ".join(sorted(states)) or "no fixes concern this megatron-core"
 
 
+def _facts(result):
+    """The facts of the first rank of a pass that recorded them ({} if none did)."""
+    return next((r for r in result["ranks"] if r and "fixes" in r), {})
+
+
+def _guard_text(guard):
+    if guard is None:
+        return "TE import guard: unknown (a rank did not finish)"
+    text = f"TE import guard {guard['mode']}"
+    return text + (f" ({guard['reason']})" if guard.get("reason") else "")
+
+
 def summarise(args, results, folder):
     without, shim = results["without shim"], results["with shim"]
     ranks = [r for r in shim["ranks"] if r is not None]
@@ -221,8 +237,8 @@ def summarise(args, results, folder):
         "checks": checks,
         "megatron_core": first.get("mcore"),
         "torch": first.get("torch"),
-        "delivery": {label: _delivery(next((r for r in results[label]["ranks"] if r and "fixes" in r), {}))
-                     for label, _ in PASSES},
+        "delivery": {label: _delivery(_facts(results[label])) for label, _ in PASSES},
+        "te_guard": {label: _facts(results[label]).get("te_guard") for label, _ in PASSES},
         "fixes": first.get("fixes", {}),
         "features": first.get("features", {}),
         "model": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "query_groups", "ffn",
@@ -284,7 +300,7 @@ def print_table(summary):
           f"{summary['ranks']} rank{'s' if summary['ranks'] != 1 else ''}, "
           f"expert parallelism {summary['expert_parallel']}")
     for label, _ in PASSES:
-        print(f"{label}: {summary['delivery'][label]}")
+        print(f"{label}: {summary['delivery'][label]}; {_guard_text(summary['te_guard'][label])}")
     missing = [k for k, v in summary["features"].items() if not v]
     if missing:
         print(f"not in this megatron-core, left out of the model: {', '.join(missing)}")
@@ -321,7 +337,7 @@ def run(args):
         for label, sub in PASSES:
             if os.path.exists(os.path.join(folder, sub)):
                 shutil.rmtree(os.path.join(folder, sub))
-            extra_env = {"MCORE_CPU_SHIM_DISABLE": "all"} if label == "without shim" else {}
+            extra_env = WITHOUT_SHIM if label == "without shim" else {}
             results[label] = run_pass(args, label, os.path.join(folder, sub), extra_env, progress)
         summary = summarise(args, results, folder)
     finally:

@@ -4,10 +4,19 @@ It imports what a conversion imports (torch, every module a fix targets, Transfo
 then reports: torch and its build, whether CUDA is usable and whether those imports
 initialised it, which CUDA driver and toolkit libraries they mapped into the process, the
 megatron-core version (from megatron.core.package_info, so also for a source tree without
-package metadata), Transformer Engine's status, and each fix's state per target.
+package metadata), Transformer Engine (installed version, whether megatron-core's TE imports
+work, whether it is usable, what the import guard decided), and each fix's state per target.
 
 Exit status 1 when megatron-core has a CUDA assumption that no fix covers (a fix
-``unsupported``) or fails to import; 0 otherwise.
+``unsupported``) or fails to import, or when CUDA is not usable and Transformer Engine is
+neither absent nor treated as absent (the guard off, or TE imported before the guard) while
+megatron-core would use it or die importing it; 0 otherwise.
+
+Transformer Engine's status is ``absent`` (not installed), ``treated as absent`` (the guard,
+``MCORE_CPU_SHIM_TE=auto``, on a process without usable CUDA: installed, tried, made absent),
+``blocked`` (``MCORE_CPU_SHIM_TE=block``), ``usable`` (importable and CUDA usable) or
+``unusable``. The doctor tries exactly megatron-core's imports: ``transformer_engine`` alone
+imports even where its PyTorch part does not (TE's own ``__init__`` swallows that failure).
 """
 
 import importlib
@@ -83,20 +92,77 @@ def _import_targets(package, report):
                 report["problems"].append(f"importing {module} failed: {type(exc).__name__}: {exc}")
 
 
-def _transformer_engine(te_guard):
-    try:
-        import transformer_engine
-    except ModuleNotFoundError as exc:
+def _transformer_engine(te_guard, report):
+    """Transformer Engine as megatron-core meets it here: installed (which distributions, which
+    version), importable (``transformer_engine``, ``transformer_engine.pytorch`` and the torch
+    extension ``transformer_engine_torch``, megatron-core's imports, tried in its order, with
+    the real exception), and usable: importable and CUDA usable. Adds a problem where
+    megatron-core would use TE (or die importing it) while CUDA is not usable."""
+    from importlib.machinery import PathFinder
+
+    distributions = te_guard.installed_distributions()
+    installed = bool(distributions) or any(
+        PathFinder.find_spec(name) is not None for name in te_guard.TOP_LEVEL
+    )
+    te = {"installed": installed, "distributions": distributions,
+          "version": distributions.get("transformer-engine"), "importable": None, "error": None,
+          "imports": {}, "usable": False, "treated_as_absent": False}
+    guard = te_guard.state()
+    if not installed:
+        return dict(te, status="absent", reason="not installed", guard=guard)
+    if guard["mode"] == "block" and not guard["imported_before"]:
+        return dict(te, status="blocked", treated_as_absent=True, guard=guard,
+                    reason=f"installed{_version(te)}, not tried: {guard['reason']}: treated as absent")
+    if guard["mode"] == "auto" and not guard["imported_before"] and guard["reason"] is None:
+        try:  # the guard decides at the first lookup (megatron-core's imports may have made it)
+            import transformer_engine  # noqa: F401
+        except Exception:  # absent (the guard decided), or CUDA usable: tried again below
+            pass
         guard = te_guard.state()
-        if guard["mode"] == "block":
-            return {"status": "blocked", "reason": guard["reason"]}
-        if guard["reason"] is not None:  # the guard turned "cannot load here" into absence
-            return {"status": "unusable", "reason": guard["reason"]}
-        return {"status": "absent", "reason": str(exc)}
-    except Exception as exc:
-        return {"status": "unusable", "reason": f"{type(exc).__name__}: {exc}"}
-    version = getattr(transformer_engine, "__version__", None)
-    return {"status": "usable", "reason": f"version {version}, from {transformer_engine.__path__[0]}"}
+    cuda = te_guard.cuda_usable()
+    if guard["reason"] is not None and guard["te"] is not None:  # the guard tried it and decided
+        te.update({k: guard["te"][k] for k in ("importable", "error", "imports")})
+        te["version"] = guard["te"]["version"] or te["version"]
+        te["treated_as_absent"] = True
+        status = "treated as absent"
+    else:  # no guard, a guard that stands aside, or usable CUDA: megatron-core gets what this gets
+        te.update(te_guard.summarise_imports(te_guard.try_imports()))
+        te["version"] = te_guard.installed_version() or te["version"]
+        te["usable"] = te["importable"] and cuda
+        status = "usable" if te["usable"] else "unusable"
+    parts = [f"installed{_version(te)}"]
+    parts.append("importable" if te["importable"] else f"not importable ({te['error']})")
+    if te["usable"]:
+        parts.append("usable (CUDA usable)")
+    else:
+        parts.append("not usable (no CUDA)" if not cuda else "not usable")
+    if te["treated_as_absent"]:
+        parts[-1] += ": treated as absent"
+    reason = ", ".join(parts)
+    if not cuda and not te["treated_as_absent"]:
+        first_failure = next((e for e in te["imports"].values() if e != "ok"), "")
+        if guard["imported_before"]:
+            why = (f"it was imported before mcore_cpu_shim ({', '.join(guard['imported_before'][:3])}), "
+                   f"so the import guard cannot make it absent; {te_guard.FIX_ADVICE}")
+        else:
+            why = f"the import guard is off ({te_guard.ENV_TE}={guard['mode']}); unset it or set it to auto"
+        if te["importable"]:
+            reason += ": megatron-core will use it"
+            report["problems"].append(
+                f"Transformer Engine{_version(te)} imports and megatron-core will use it (HAVE_TE, TE "
+                f"norms, GEMMs, optimizers), but CUDA is not usable: its modules fail on the CPU. "
+                f"Cause: {why}."
+            )
+        elif not first_failure.startswith("ModuleNotFoundError"):
+            report["problems"].append(
+                f"Transformer Engine{_version(te)} fails to import ({te['error']}), an error "
+                f"megatron-core does not catch, and CUDA is not usable. Cause: {why}."
+            )
+    return dict(te, status=status, reason=reason, guard=guard)
+
+
+def _version(te):
+    return f" ({te['version']})" if te["version"] else " (version unknown)"
 
 
 def collect():
@@ -128,8 +194,7 @@ def collect():
     if installed:
         core = sys.modules.get("megatron.core")
         report["megatron_core"]["path"] = os.path.dirname(core.__file__) if core else None
-    report["transformer_engine"] = _transformer_engine(_te_guard)
-    report["transformer_engine"]["guard"] = _te_guard.state()
+    report["transformer_engine"] = _transformer_engine(_te_guard, report)
 
     # Read before this report asks torch about devices: what the imports above mapped.
     libraries = mapped_libraries()
@@ -176,7 +241,7 @@ def render(report):
     mcore = report["megatron_core"]
     rows.append(("megatron-core", f"{mcore['version']} ({mcore.get('path')})" if mcore["version"] else "not installed"))
     te = report["transformer_engine"]
-    rows.append(("Transformer Engine", f"{te['status']}: {te['reason']}"))
+    rows.append(("Transformer Engine", te["reason"]))
     guard = te["guard"]
     rows.append(("TE import guard", f"MCORE_CPU_SHIM_TE={guard['mode']}" + (f" ({guard['owner']})" if guard["owner"] else "")))
     width = max(len(name) for name, _ in rows)
