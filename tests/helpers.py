@@ -1,5 +1,6 @@
 """Real megatron-core building blocks for the tests: Gloo groups, tiny models, round trips."""
 
+import functools
 import os
 import signal
 import subprocess
@@ -41,26 +42,56 @@ def megatron_source(module):
         return source.read()
 
 
-def expected_state(fix=None):
-    """The state every fix that concerns this megatron-core must report in this mode. In shim
-    mode, a fix that this tree's own source shows fixed (an upstream branch with the fix in)
-    reads upstream-fixed, decided from source as tools/coverage.py does."""
-    if MODE == "shim" and fix is not None and fix in upstream_fixed_here():
-        return "upstream-fixed"
+def expected_state(fix=None, target=None):
+    """The state every fix that concerns this megatron-core must report in this mode (with
+    ``target``, "module:qualname": that target of the fix). In shim mode, a fix (or target)
+    that this tree's own source shows fixed (an upstream branch with the fix in) reads
+    upstream-fixed, decided from source as tools/coverage.py does."""
+    if MODE == "shim" and fix is not None:
+        fixed = upstream_fixed(target) if target is not None else fix in upstream_fixed_here()
+        if fixed:
+            return "upstream-fixed"
     return {"shim": "applied", "patched+shim": "upstream-fixed", "patched": "disabled"}[MODE]
+
+
+@functools.lru_cache(maxsize=None)
+def _decided_from_source():
+    """{fix: {target: (state, detail)}} for this tree, as tools/coverage.py decides it."""
+    from mcore_cpu_shim import _engine
+    from mcore_cpu_shim.fixes import FIXES
+
+    return _engine.classify_source(FIXES, megatron_source)
 
 
 def upstream_fixed_here():
     """The fixes whose every target this tree's source shows fixed or not concerned."""
     from mcore_cpu_shim import _engine
-    from mcore_cpu_shim.fixes import FIXES
 
-    decided = _engine.classify_source(FIXES, megatron_source)
     return {
         name
-        for name, targets in decided.items()
+        for name, targets in _decided_from_source().items()
         if _engine.combined_state({state for state, _ in targets.values()}) == _engine.UPSTREAM_FIXED
     }
+
+
+def upstream_fixed(*targets):
+    """Whether this tree's source shows every one of ``targets`` ("module:qualname") fixed by
+    megatron-core itself (upstream-fixed), in shim mode. A test whose premise is the CUDA
+    assumption at those targets (unfixed code fails, the shim replaced them, the original runs
+    next to the replacement) skips there: ``needs_unfixed(*targets)``."""
+    if MODE != "shim":
+        return False  # patched modes have their own skips; nothing is decided from source there
+    states = {t: s for decided in _decided_from_source().values() for t, (s, _) in decided.items()}
+    return all(states[target] == "upstream-fixed" for target in targets)
+
+
+def needs_unfixed(*targets):
+    """Skip mark for a test whose premise is the CUDA assumption at ``targets``: it skips where
+    megatron-core fixed every one of them itself (``upstream_fixed``)."""
+    import pytest
+
+    reason = f"megatron-core fixed {' and '.join(targets)} itself (upstream-fixed)"
+    return pytest.mark.skipif(upstream_fixed(*targets), reason=reason)
 
 
 def init_gloo(store_dir, rank=0, world_size=1, expert_parallel=1):

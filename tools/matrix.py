@@ -18,7 +18,8 @@ python tools/matrix.py test [--drift VERSION]... VERSION... [-- PYTEST_ARGS]
     ../shared/upstream (megatron-core-<name>.tar.xz, extracted to .mcore/<name>), in shim
     mode only (the patches are made against releases); skipped with a message where that
     folder is absent (a clone without the project's shared data).
-    Each mode runs two pytest sessions (CUDA legs), each with MATRIX_WORKERS processes
+    Each mode runs two pytest sessions (CUDA legs; the cuda_visible one only where a fresh
+    interpreter sees a CUDA device, else it is recorded as not run), each with MATRIX_WORKERS processes
     (pytest-xdist; default: the cores, at most 4).
     Fix states, patch results, mode results and per-leg counts go to .matrix/<version>.json.
     Exits non-zero if any run failed.
@@ -29,6 +30,7 @@ python tools/matrix.py patch VERSION
     patch, whether it applies.
 """
 
+import functools
 import json
 import os
 import shutil
@@ -142,6 +144,18 @@ def leg_counts(junit):
     return f"{total - skipped - failed}/{skipped}/{failed}"
 
 
+NO_DEVICE = "not run (no CUDA device)"
+
+
+@functools.lru_cache(maxsize=None)
+def devices():
+    """How many CUDA devices a fresh interpreter sees here (0 where the probe fails)."""
+    probe = [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"]
+    result = subprocess.run(probe, capture_output=True, text=True)
+    words = result.stdout.split()
+    return int(words[-1]) if result.returncode == 0 and words else 0
+
+
 def run_mode(version, mode, tree, pytest_args):
     env = dict(os.environ, PYTHONPATH=str(tree), MCORE_CPU_SHIM_MODE="shim" if mode == "drift" else mode)
     for name in ("MCORE_CPU_SHIM_DISABLE", "MCORE_CPU_SHIM_TE", "MCORE_CPU_SHIM_STRICT"):
@@ -173,6 +187,12 @@ def run_mode(version, mode, tree, pytest_args):
             leg_env["MCORE_CPU_SHIM_STATES_FILE"] = str(states_file)  # tests/conftest.py writes it
         # The megatron unit tests that patches add carry no markers: they run in the hidden leg.
         leg_paths = paths if leg == "cuda_hidden" else paths[:1]
+        if leg == "cuda_visible" and not devices():
+            # Every test of the leg would skip for this one reason: say it without a session
+            # (one pytest session costs about 20 s of startup here, over 25 sessions per run).
+            print(f"\n----- mode {mode}, {leg}: not run, this host has no CUDA device -----", flush=True)
+            legs[leg] = NO_DEVICE
+            continue
         marker = f"{leg} or not cuda_visible" if leg == "cuda_hidden" else leg
         junit = RESULTS / f"{version}-{mode}-{leg}.xml"
         junit.unlink(missing_ok=True)
