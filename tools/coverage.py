@@ -60,14 +60,17 @@ def served_versions():
 
 def wheel(version, cache):
     """The wheel of ``version`` in the cache, downloaded for the first of our Pythons it has one."""
+    def cached():
+        return sorted(cache.glob(f"megatron_core-{version}-*.whl"))
+
     errors = []
     for python in PYTHONS:
-        found = sorted(cache.glob(f"megatron_core-{version}-*.whl"))
-        if found:
-            return found[0]
-        result = pip("download", "--quiet", "--no-deps", "--only-binary=:all:",
-                     "--python-version", python, "-d", str(cache), f"megatron-core=={version}")
-        errors.append(result.stderr.strip().splitlines()[-1:])
+        if not cached():
+            result = pip("download", "--quiet", "--no-deps", "--only-binary=:all:",
+                         "--python-version", python, "-d", str(cache), f"megatron-core=={version}")
+            errors += [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
+    if cached():
+        return cached()[0]
     raise SystemExit(f"could not download a wheel of megatron-core {version}: {errors}")
 
 
