@@ -301,7 +301,7 @@ def classify(
 def classify_source(fixes, read: Callable[[str], Optional[str]], strict: bool = False):
     """Every target's decision on a megatron-core tree that is read, not imported:
     ``{fix name: {target name: (state, detail)}}``. ``read(module)`` gives a module's source
-    (None: no such module, the target stays pending)."""
+    (None: the tree has no such module; see ``_module_absent``)."""
     trees: Dict[str, Optional[ast.AST]] = {}
 
     def module_tree(module):
