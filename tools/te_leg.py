@@ -35,8 +35,6 @@ RESULTS = ROOT / ".matrix"
 # TE's runtime dependencies (transformer_engine_torch's metadata) other than torch and TE.
 TE_DEPENDENCIES = ["einops", "onnx", "onnxscript", "packaging", "pydantic", "nvdlfw-inspect",
                    "nvidia-cudnn-frontend>=1.29.0"]
-TE_DISTRIBUTIONS = ["transformer-engine", "transformer-engine-cu12", "transformer-engine-cu13",
-                    "transformer-engine-torch"]
 INSTALLS = (("core only 2.20.2", "2.20.2", False), ("complete 2.20.2", "2.20.2", True),
             ("complete 2.12.0", "2.12.0", True))
 
@@ -51,17 +49,14 @@ def pip(*args):
 
 
 def installed():
-    found = {}
-    for name in TE_DISTRIBUTIONS:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return found
+    """The TE distributions installed here, as the guard and doctor see them."""
+    from mcore_cpu_shim import _te_guard
+
+    return _te_guard.installed_distributions()
 
 
 def install(version, complete, pin):
-    present = [name for name in TE_DISTRIBUTIONS if name in installed()]
+    present = list(installed())
     if present:
         pip("uninstall", "--quiet", "--yes", *present)
     packages = [f"transformer-engine=={version}", f"transformer-engine-cu13=={version}"]
