@@ -301,7 +301,7 @@ def classify(
 def classify_source(fixes, read: Callable[[str], Optional[str]], strict: bool = False):
     """Every target's decision on a megatron-core tree that is read, not imported:
     ``{fix name: {target name: (state, detail)}}``. ``read(module)`` gives a module's source
-    (None: the tree has no such module; see ``_module_absent``)."""
+    (None: the tree has no such module; see ``_absent``)."""
     trees: Dict[str, Optional[ast.AST]] = {}
 
     def module_tree(module):
@@ -320,27 +320,25 @@ def classify_source(fixes, read: Callable[[str], Optional[str]], strict: bool = 
         for target in fix.targets:
             tree = module_tree(target.module)
             if tree is None:
-                states[target.name] = _module_absent(target)
+                states[target.name] = _absent(target, f"module {target.module}")
                 continue
             node, owner_found = find_definition(tree, target.qualname)
             # Only a fix that adds an override asks about an inherited method here.
             inherited = owner_found and "." in target.qualname and INHERITED in target.known_buggy
             if node is None and not inherited:
-                if target.absent_in is not None:
-                    states[target.name] = (NOT_APPLICABLE, f"no {target.qualname} (as {target.absent_in})")
-                else:
-                    states[target.name] = (UNSUPPORTED, f"{target.qualname} not found")
+                states[target.name] = _absent(target, target.qualname)
                 continue
             state, detail, _ = classify(target, node, lookup, strict)
             states[target.name] = (state, detail)
     return result
 
 
-def _module_absent(target: Target) -> Tuple[str, str]:
-    """The decision for a target whose module this megatron-core does not have."""
+def _absent(target: Target, what: str) -> Tuple[str, str]:
+    """The decision for a target whose function (or whole module, ``what``) this megatron-core
+    does not have: not-applicable where the fix expects releases without it, else unsupported."""
     if target.absent_in is not None:
-        return NOT_APPLICABLE, f"this megatron-core has no module {target.module} (as {target.absent_in})"
-    return UNSUPPORTED, f"this megatron-core has no module {target.module}"
+        return NOT_APPLICABLE, f"this megatron-core has no {what} (as {target.absent_in})"
+    return UNSUPPORTED, f"this megatron-core has no {what}"
 
 
 def combined_state(states) -> str:
@@ -384,9 +382,7 @@ def _decide(fix: Fix, target: Target, module: types.ModuleType) -> Tuple[str, st
         owner, name = _owner(module, target.qualname)
         raw = inspect.getattr_static(owner, name)
     except AttributeError:
-        if target.absent_in is not None:
-            return NOT_APPLICABLE, f"this megatron-core has no {target.qualname} (as {target.absent_in})"
-        return UNSUPPORTED, f"{target.qualname} not found in {target.module}"
+        return _absent(target, target.qualname)
     original = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
     marker = getattr(original, MARKER, None)
     if marker is not None:
@@ -545,7 +541,7 @@ def _settle_absent_modules(fixes: Tuple[Fix, ...]) -> None:
     for fix in fixes:
         for target in fix.targets:
             if target.state == PENDING and module_file(target.module) is None:
-                target.state, target.detail = _module_absent(target)
+                target.state, target.detail = _absent(target, f"module {target.module}")
 
 
 def status(fixes: Tuple[Fix, ...]) -> Dict[str, dict]:

@@ -62,14 +62,10 @@ def pytest_configure(config):
 # Where tools/matrix.py wants the fix states of this session's megatron-core (its table).
 STATES_FILE = os.environ.get("MCORE_CPU_SHIM_STATES_FILE")
 RECORD_STATES = """
-import importlib, json
+import json
 import mcore_cpu_shim
-for fix in mcore_cpu_shim.status().values():
-    for target in fix["targets"]:
-        try:
-            importlib.import_module(target.split(":")[0])
-        except ImportError:
-            pass  # stays "pending": this release has no such module
+from helpers import import_every_target
+import_every_target(mcore_cpu_shim)
 print(json.dumps({name: fix["state"] for name, fix in mcore_cpu_shim.status().items()}))
 """
 

@@ -9,6 +9,7 @@ import tempfile
 import textwrap
 import time
 
+import importlib
 import importlib.util
 
 import preloaded
@@ -40,6 +41,17 @@ def megatron_source(module):
         return None
     with open(path) as source:
         return source.read()
+
+
+def import_every_target(package):
+    """Import every module a fix of ``package`` (the shim, or a vendored copy) targets, as a
+    conversion would. A module this megatron-core's tree does not have is left out: status()
+    then reads its targets as this tree lacking them; any other import failure is raised."""
+    for fix in package.status().values():
+        for target in fix["targets"]:
+            module = target.split(":")[0]
+            if _mcore_tree.module_file(module) is not None:
+                importlib.import_module(module)
 
 
 def expected_state(fix=None, target=None):

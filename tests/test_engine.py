@@ -7,7 +7,7 @@ import os
 import shutil
 
 import pytest
-from helpers import MODE, expected_state, megatron_source, needs_unfixed, run_python
+from helpers import MODE, expected_state, import_every_target, megatron_source, needs_unfixed, run_python
 
 pytestmark = pytest.mark.cuda_hidden
 
@@ -258,11 +258,7 @@ def test_every_fix_reaches_its_expected_state():
     from mcore_cpu_shim import _engine
     from mcore_cpu_shim.fixes import FIXES
 
-    for fix in mcore_cpu_shim.status().values():
-        for target in fix["targets"]:
-            module = target.split(":")[0]
-            if megatron_source(module) is not None:  # else settled as this tree lacking it
-                importlib.import_module(module)
+    import_every_target(mcore_cpu_shim)
     status = mcore_cpu_shim.status()
     for name, fix in status.items():
         assert fix["state"] in {expected_state(name), "not-applicable"}, (name, fix)

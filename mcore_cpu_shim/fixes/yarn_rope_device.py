@@ -112,8 +112,9 @@ def _variant(original):
     return _VARIANTS[fingerprint(normalised_source(original))]
 
 
-def _table_device(self):
-    """Where the module's rotary tables live: its cos cache once built, else its frequencies."""
+def table_device(self):
+    """Where the module's rotary tables live: its cos cache once built, else its frequencies.
+    (Also where a drifted ``forward``/``get_emb`` moves the frequencies.)"""
     cached = getattr(self, "cos_cached", None)
     if cached is not None:
         return cached.device
@@ -139,7 +140,7 @@ def _embedding(self, module, max_seq_len, offset, round_to_int, concentration, m
 
     assert not self.rotary_interleaved, "Yarn RoPE does not support interleaved rotary embeddings"
 
-    device = _table_device(self)
+    device = table_device(self)
     inv_freq_extra, inv_freq_inter = _frequencies_on(self, device)
 
     range_args = (
@@ -177,11 +178,6 @@ def _embedding(self, module, max_seq_len, offset, round_to_int, concentration, m
     # [seq_length, 1, 1, dim]
     emb = emb[:, None, None, :]
     return emb, _mscale
-
-
-def table_device(self):
-    """Where a drifted ``forward``/``get_emb`` moves the frequencies: the tables' device."""
-    return _table_device(self)
 
 
 # The base class's parameters, in the order 0.13/0.14 pass them by position.
