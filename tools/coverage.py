@@ -2,15 +2,16 @@
 
 python tools/coverage.py [--cache DIR] [--json FILE]
 
-Lists every megatron-core version PyPI serves for Python 3.11 and 3.12 from 0.13.0 on,
+Lists every megatron-core version PyPI serves for Python 3.11 and 3.12 from 0.13.0rc0 on,
 release candidates included and ``.dev`` nightlies older than 0.16.1 left out, downloads each
 wheel (no dependencies) into the cache (default ``.coverage-wheels``, reused), reads the target
 modules out of the wheel without installing or importing it, and runs the engine's own
 decision (``_engine.classify_source``) on them; the upstream snapshots in
-``../shared/upstream`` (when present) are read out of their tarballs the same way. Prints one
-row per version (a fix's state over all its targets, as ``status()`` gives it) and, below, the
-detail of every target that is not ``applied``/``upstream-fixed``/``not-applicable``. Exits 1
-if any fix is ``unsupported`` (or ``pending``: a module the fix expects is missing).
+``../shared/upstream`` (when present; found as tools/matrix.py finds them) are read out of
+their tarballs the same way. Prints one row per version (a fix's state over all its targets,
+as ``status()`` gives it) and, below, the detail of every target that is not
+``applied``/``upstream-fixed``/``not-applicable``. Exits 1 if any fix is ``unsupported``
+(also where a module or function the fix expects is missing).
 """
 
 import argparse
@@ -24,12 +25,12 @@ from pathlib import Path
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
+from matrix import UPSTREAM, snapshots  # noqa: E402  (where the upstream snapshots are)
 from mcore_cpu_shim import _engine  # noqa: E402
 from mcore_cpu_shim.fixes import FIXES  # noqa: E402
 
-UPSTREAM = ROOT.parent / "shared" / "upstream"
 PYTHONS = ("3.11", "3.12")
 OLDEST = Version("0.13.0rc0")  # 0.13.0 and its release candidates on
 OLDEST_NIGHTLY = Version("0.16.1")
@@ -103,8 +104,8 @@ def tarball_reader(path):
 def sources(cache):
     for version in served_versions():
         yield version, wheel_reader(wheel(version, cache))
-    for tarball in sorted(UPSTREAM.glob("megatron-core-*.tar.xz")):
-        yield tarball.name.removesuffix(".tar.xz"), tarball_reader(tarball)
+    for name, tarball in snapshots().items():
+        yield name, tarball_reader(tarball)
 
 
 def main():

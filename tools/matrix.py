@@ -156,14 +156,24 @@ def devices():
     return int(words[-1]) if result.returncode == 0 and words else 0
 
 
-def run_mode(version, mode, tree, pytest_args):
-    env = dict(os.environ, PYTHONPATH=str(tree), MCORE_CPU_SHIM_MODE="shim" if mode == "drift" else mode)
-    for name in ("MCORE_CPU_SHIM_DISABLE", "MCORE_CPU_SHIM_TE", "MCORE_CPU_SHIM_STRICT"):
-        env.pop(name, None)
-    env.update(MODE_ENV.get(mode, {}))
+# The shim's switches (and the tests' mode): a run sets its own, none come in from outside.
+SWITCHES = ("MCORE_CPU_SHIM_DISABLE", "MCORE_CPU_SHIM_TE", "MCORE_CPU_SHIM_STRICT",
+            "MCORE_CPU_SHIM_MODE", "_MCORE_CPU_SHIM_DRIFT_ONLY")
+
+
+def tree_env(tree, **settings):
+    """This environment for a test run on megatron-core ``tree``: no outside shim switches,
+    the tree on PYTHONPATH, then ``settings``."""
+    env = {name: value for name, value in os.environ.items() if name not in SWITCHES}
     # An unreleased tree's package_info appends the hash of the git repository around it: the
     # trees here sit inside this project's clone, whose hash is not theirs.
-    env["GIT_CEILING_DIRECTORIES"] = str(OVERLAYS)
+    env.update(PYTHONPATH=str(tree), GIT_CEILING_DIRECTORIES=str(OVERLAYS), **settings)
+    return env
+
+
+def run_mode(version, mode, tree, pytest_args):
+    env = tree_env(tree, MCORE_CPU_SHIM_MODE="shim" if mode == "drift" else mode,
+                   **MODE_ENV.get(mode, {}))
     if mode == "patched+shim":
         # The shim must stand down on patched code (every fix upstream-fixed, nothing replaced),
         # so the behaviour there is the patched mode's; the engine tests check the stand-down.

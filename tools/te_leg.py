@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
-from matrix import leg_counts, overlay  # noqa: E402  (the matrix's megatron-core trees)
+from matrix import leg_counts, overlay, tree_env  # noqa: E402  (the matrix's megatron-core trees)
 
 WHEELS = ROOT.parent / "shared" / "wheels"
 MCORE = "0.19.2"
@@ -93,9 +93,7 @@ def main(pytest_args):
         with open(pin, "w") as f:
             f.write(f"torch=={importlib.metadata.version('torch')}\n")
         pip("install", "--quiet", "-c", pin, *TE_DEPENDENCIES)
-        env = dict(os.environ, PYTHONPATH=str(tree), CUDA_VISIBLE_DEVICES="")
-        for name in ("MCORE_CPU_SHIM_DISABLE", "MCORE_CPU_SHIM_TE", "MCORE_CPU_SHIM_STRICT", "MCORE_CPU_SHIM_MODE"):
-            env.pop(name, None)
+        env = tree_env(tree, CUDA_VISIBLE_DEVICES="")
         summary, failed = [], []
         for label, version, complete in INSTALLS:
             print(f"\n===== Transformer Engine {label} (megatron-core {MCORE}, torch "
