@@ -13,7 +13,7 @@ import sys
 from . import _engine, _te_guard
 from ._engine import McoreCpuShimWarning
 from ._version import __version__
-from .fixes import FIXES
+from .fixes import BRIDGE_FIXES, FIXES
 from .tripwire import CudaTouchedError, forbid_cuda
 
 __all__ = [
@@ -27,9 +27,13 @@ __all__ = [
 ]
 
 
+ALL_FIXES = FIXES + BRIDGE_FIXES
+
+
 def fix_names():
-    """The names of all fixes, in patch order."""
-    return tuple(fix.name for fix in FIXES)
+    """The names of all fixes: megatron-core's in the order of ``patches/series``, then
+    Megatron-Bridge's in the order of ``patches/bridge/series``."""
+    return tuple(fix.name for fix in ALL_FIXES)
 
 
 def apply():
@@ -38,13 +42,13 @@ def apply():
     Safe to call again. A bad switch value raises ValueError and activates nothing.
     """
     te_mode = _te_guard.mode_from_env()
-    _engine.apply(FIXES)
+    _engine.apply(ALL_FIXES)
     _te_guard.install(te_mode)
 
 
 def status():
     """``{fix name: {"state", "summary", "targets": {target: {"state", "detail"}}}}``."""
-    return _engine.status(FIXES)
+    return _engine.status(ALL_FIXES)
 
 
 def _started_as_cli():

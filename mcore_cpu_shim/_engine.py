@@ -1,8 +1,8 @@
 """The fix engine.
 
-A fix names one or more targets (a module and a symbol in megatron-core). When a target's
-module is imported (or right away, if it already is), the engine reads the target's source
-and decides, once, what to do with it:
+A fix names one or more targets (a module and a symbol in megatron-core or Megatron-Bridge).
+When a target's module is imported (or right away, if it already is), the engine reads the
+target's source and decides, once, what to do with it:
 
 - the source has the feature the fix is about?     no  -> ``not-applicable``
 - its fingerprint is one the fix knows as buggy?   yes -> replace it        -> ``applied``
@@ -26,6 +26,12 @@ would drop what upstream added): it rewrites the live function at the bug expres
 (``rewrite``), compiled with the function's own globals, closure and file name, so every other
 line is upstream's and tracebacks point into megatron-core's source. A fix whose replacement
 only wraps the original uses the same wrapper on drifted code.
+
+A target can also be a module's own top-level code (``qualname=MODULE``; e.g. an unguarded
+import of an optional package). Such code runs while the module is imported, so it is decided
+before: the engine's finder hands Python a loader that reads the module's source, decides on
+its top-level import statements (the "code" of such a target; fingerprints and site checks as
+above) and compiles the module from the syntax tree the fix's replacement returns.
 
 Replacements carry a marker; a target that already carries one (from this copy of the package
 or another) is left as is. Nothing here raises into the import of megatron-core. The decision
@@ -53,7 +59,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import wrapt
 
-from ._mcore_tree import mcore_version, module_file
+from ._mcore_tree import mcore_version, module_file, project
 from ._version import __version__
 
 logger = logging.getLogger("mcore_cpu_shim")
@@ -69,6 +75,10 @@ PACKAGE = __name__.rpartition(".")[0]
 # The fingerprint of a method a class does not define itself (it inherits it): a fix that
 # adds an override lists INHERITED among its known_buggy shapes.
 INHERITED = "inherited"
+
+# The qualname of a target that is a module's top-level code; its replacement builds the new
+# module syntax tree from (the parsed module, the fix's helpers module name).
+MODULE = "<module>"
 
 PENDING = "pending"  # the target's module has not been imported yet
 APPLIED = "applied"
@@ -106,8 +116,9 @@ class Target:
     replacement: Callable[[Callable, types.ModuleType], Callable]
     # a snippet the target must contain for the fix to concern it at all
     feature: Optional[str] = None
-    # snippets that say upstream fixed the spot in its own way, even with a bug snippet there
-    fixed_by: Tuple[str, ...] = ()
+    # snippets that say upstream fixed the spot in its own way, even with a bug snippet there,
+    # or checks that say so from other code (e.g. a class that now declares the fields)
+    fixed_by: Tuple[object, ...] = ()
     # the releases that lack this symbol altogether (e.g. a method added later); where it is
     # missing the target is not-applicable instead of unsupported
     absent_in: Optional[str] = None
@@ -123,6 +134,11 @@ class Target:
     @property
     def name(self) -> str:
         return f"{self.module}:{self.qualname}"
+
+    @property
+    def project(self) -> str:
+        """The project the target is in, as messages name it."""
+        return "Megatron-Bridge" if self.module.startswith("megatron.bridge") else "megatron-core"
 
 
 @dataclass
@@ -196,6 +212,15 @@ def _last_def(node: ast.AST, name: str) -> Optional[ast.AST]:
     return found
 
 
+def top_level_imports(tree: ast.Module) -> ast.Module:
+    """What a module target's decision looks at: the module's top-level import statements
+    (an import inside ``try:`` or ``if`` is guarded already and not among them)."""
+    return ast.Module(
+        body=[node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))],
+        type_ignores=[],
+    )
+
+
 class Code:
     """A target's code as the decision sees it: its syntax tree and normalised source, and a
     way to look up another function's definition (for checks on what the fix calls)."""
@@ -255,6 +280,21 @@ def other_takes(module: str, qualname: str, *names: str) -> Check:
     return Check(f"{qualname} takes {', '.join(names)}", holds)
 
 
+def declares(module: str, qualname: str, *names: str) -> Check:
+    """A class declares these fields (annotated names in its body)."""
+
+    def holds(code):
+        tree = code.lookup(module, qualname)
+        declared = {
+            node.target.id
+            for node in getattr(tree, "body", ())
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+        }
+        return set(names) <= declared
+
+    return Check(f"{qualname} declares {', '.join(names)}", holds)
+
+
 def _live_lookup(module_name: str, qualname: str) -> Optional[ast.AST]:
     try:
         owner, name = _owner(importlib.import_module(module_name), qualname)
@@ -277,11 +317,14 @@ def classify(
         fp = fingerprint(code.text)
     source = code.text if code else ""
     if target.feature is not None and target.feature not in source:
-        return NOT_APPLICABLE, f"this megatron-core has no {target.feature!r} in {target.qualname}", None
+        return NOT_APPLICABLE, f"this {target.project} has no {target.feature!r} in {target.qualname}", None
     if fp in target.known_buggy and (releases or fp == INHERITED):
-        return APPLIED, f"replaced (code as in megatron-core {target.known_buggy[fp]})", target.replacement
+        return APPLIED, f"replaced (code as in {target.project} {target.known_buggy[fp]})", target.replacement
+    for fix in target.fixed_by:
+        if isinstance(fix, Check) and code is not None and fix.holds(code):
+            return UPSTREAM_FIXED, f"fixed upstream: {fix.description}", None
     if not any(snippet in source for snippet in target.bug) or any(
-        snippet in source for snippet in target.fixed_by
+        fix in source for fix in target.fixed_by if isinstance(fix, str)
     ):
         return UPSTREAM_FIXED, "the CUDA assumption is no longer in this code", None
     unfamiliar = f"unfamiliar code (fingerprint {fp}) still holding the CUDA assumption"
@@ -322,6 +365,10 @@ def classify_source(fixes, read: Callable[[str], Optional[str]], strict: bool = 
             if tree is None:
                 states[target.name] = _absent(target, f"module {target.module}")
                 continue
+            if target.qualname == MODULE:
+                state, detail, _ = classify(target, top_level_imports(tree), lookup, strict)
+                states[target.name] = (state, detail)
+                continue
             node, owner_found = find_definition(tree, target.qualname)
             # Only a fix that adds an override asks about an inherited method here.
             inherited = owner_found and "." in target.qualname and INHERITED in target.known_buggy
@@ -337,8 +384,8 @@ def _absent(target: Target, what: str) -> Tuple[str, str]:
     """The decision for a target whose function (or whole module, ``what``) this megatron-core
     does not have: not-applicable where the fix expects releases without it, else unsupported."""
     if target.absent_in is not None:
-        return NOT_APPLICABLE, f"this megatron-core has no {what} (as {target.absent_in})"
-    return UNSUPPORTED, f"this megatron-core has no {what}"
+        return NOT_APPLICABLE, f"this {target.project} has no {what} (as {target.absent_in})"
+    return UNSUPPORTED, f"this {target.project} has no {what}"
 
 
 def combined_state(states) -> str:
@@ -475,20 +522,85 @@ def _on_import(fix: Fix, target: Target, module: types.ModuleType) -> None:
         if target.state != PENDING:
             return
         try:
-            target.state, target.detail = _decide(fix, target, module)
+            state, detail = _decide(fix, target, module)
         except Exception as exc:  # never break the user's import of megatron-core
-            target.state, target.detail = UNSUPPORTED, f"{type(exc).__name__}: {exc}"
-        logger.info("%s: %s %s (%s)", fix.name, target.name, target.state, target.detail)
-        if target.state == UNSUPPORTED and not fix.warned:
-            fix.warned = True
-            warnings.warn(
-                f"mcore_cpu_shim: fix {fix.name!r} was not applied to {target.name} in "
-                f"megatron-core {mcore_version()}: {target.detail}. This spot still assumes "
-                f"CUDA. Please report it at {REPORT_URL} with the output of "
-                f"`python -m mcore_cpu_shim doctor`.",
-                McoreCpuShimWarning,
-                stacklevel=2,
-            )
+            state, detail = UNSUPPORTED, f"{type(exc).__name__}: {exc}"
+        _record(fix, target, state, detail)
+
+
+def _record(fix: Fix, target: Target, state: str, detail: str) -> None:
+    """Settle a target: its state, one log line, and a warning if it stays unfixed."""
+    target.state, target.detail = state, detail
+    logger.info("%s: %s %s (%s)", fix.name, target.name, state, detail)
+    if state == UNSUPPORTED and not fix.warned:
+        fix.warned = True
+        warnings.warn(
+            f"mcore_cpu_shim: fix {fix.name!r} was not applied to {target.name} in "
+            f"{project(target.module)}: {detail}. This spot still assumes "
+            f"CUDA. Please report it at {REPORT_URL} with the output of "
+            f"`python -m mcore_cpu_shim doctor`.",
+            McoreCpuShimWarning,
+            stacklevel=3,
+        )
+
+
+class _ModuleLoader(importlib.machinery.SourceFileLoader):
+    """Loads a module with module targets: its code compiled from the fixes' syntax tree."""
+
+    def __init__(self, fullname: str, path: str, entries):
+        super().__init__(fullname, path)
+        self.entries = entries  # [(fix, target)] whose target is this module's top-level code
+
+    def get_code(self, fullname):
+        tree = None
+        applied = []
+        with _lock:
+            for fix, target in self.entries:
+                if target.state != PENDING:
+                    continue
+                try:
+                    if tree is None:
+                        tree = ast.parse(self.get_source(fullname), self.path)
+                    state, detail, factory = classify(
+                        target, top_level_imports(tree), _live_lookup, _strict, not _drift_only
+                    )
+                    if factory is not None:
+                        tree = factory(copy.deepcopy(tree))
+                        applied.append(fix.name)
+                except Exception as exc:  # never break the import
+                    state, detail = UNSUPPORTED, f"{type(exc).__name__}: {exc}"
+                _record(fix, target, state, detail)
+        if not applied:
+            return super().get_code(fullname)
+        marker = {"fixes": applied, "package": PACKAGE, "version": __version__}
+        tree.body.insert(0, ast.parse(f"{MARKER} = {marker!r}").body[0])
+        return compile(ast.fix_missing_locations(tree), self.path, "exec", dont_inherit=True)
+
+
+class _ModuleFinder:
+    """First on ``sys.meta_path``: finds a module with module targets as the other finders
+    would, and hands Python a ``_ModuleLoader`` for it."""
+
+    def __init__(self, entries):
+        self.entries = entries  # {module name: [(fix, target)]}
+        setattr(self, MARKER, PACKAGE)
+
+    def find_spec(self, name, path=None, target=None):
+        entries = self.entries.get(name)
+        if not entries or all(t.state != PENDING for _, t in entries):
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if hasattr(finder, MARKER) or find is None:  # this copy's finder, or another copy's
+                continue
+            spec = find(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if type(spec.loader) is importlib.machinery.SourceFileLoader:
+            spec.loader = _ModuleLoader(name, spec.origin, entries)
+        return spec
 
 
 def parse_disabled(value: str, valid: Tuple[str, ...]) -> set:
@@ -523,24 +635,45 @@ def apply(fixes: Tuple[Fix, ...]) -> None:
         _strict = strict_from_env()
         _drift_only = os.environ.get(ENV_DRIFT_ONLY) == "1"
         _applied = True
+        modules: Dict[str, list] = {}
         for fix in fixes:
             fix.disabled = fix.name in disabled
             if fix.disabled:
                 logger.info("%s: disabled by %s", fix.name, ENV_DISABLE)
                 continue
             for target in fix.targets:
+                if target.qualname == MODULE:
+                    if target.module in sys.modules:
+                        _record(fix, target, *_imported_before(target))
+                    else:
+                        modules.setdefault(target.module, []).append((fix, target))
+                    continue
                 hook = functools.partial(_on_import, fix, target)
                 wrapt.register_post_import_hook(hook, target.module)
+        if modules:
+            sys.meta_path.insert(0, _ModuleFinder(modules))
+
+
+def _imported_before(target: Target) -> Tuple[str, str]:
+    """The state of a module target whose module was imported before the shim was."""
+    marker = getattr(sys.modules[target.module], MARKER, None)
+    if marker is not None:
+        return APPLIED, f"applied by {marker['package']} {marker['version']}"
+    return NOT_APPLICABLE, "imported before the shim was (its top-level imports succeeded)"
 
 
 def _settle_absent_modules(fixes: Tuple[Fix, ...]) -> None:
-    """Targets still pending once megatron-core is imported, whose module its tree does not
-    have: decided now (such a module is never imported, so no hook would ever run)."""
-    if "megatron.core" not in sys.modules:
-        return
+    """Targets still pending whose module is never going to be imported (no hook would ever
+    run), decided now: in a project that is not installed (``not-applicable``), or, once the
+    project is imported, a module its tree does not have (``_absent``)."""
     for fix in fixes:
         for target in fix.targets:
-            if target.state == PENDING and module_file(target.module) is None:
+            if target.state != PENDING:
+                continue
+            package = ".".join(target.module.split(".")[:2])
+            if module_file(package) is None:
+                target.state, target.detail = NOT_APPLICABLE, f"{target.project} is not installed"
+            elif package in sys.modules and module_file(target.module) is None:
                 target.state, target.detail = _absent(target, f"module {target.module}")
 
 

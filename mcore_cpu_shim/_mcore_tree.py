@@ -1,4 +1,5 @@
-"""Which megatron-core tree this process imports, and its version, found without importing it.
+"""Which megatron-core (and Megatron-Bridge) tree this process imports, and its version, found
+without importing it.
 
 A source tree or a git submodule (how Megatron-Bridge has megatron-core) has no package
 metadata, and a tree on ``PYTHONPATH`` may shadow an installed release whose metadata would
@@ -38,16 +39,32 @@ def module_file(module: str):
 def mcore_version() -> str:
     """megatron-core's version: ``package_info.__version__`` of the imported (or importable)
     tree, else the installed distribution's metadata, else ``"unknown"``."""
-    info = sys.modules.get("megatron.core.package_info")
+    return _version("megatron.core", "megatron-core")
+
+
+def bridge_version() -> str:
+    """Megatron-Bridge's version, found the same way (its tree has ``package_info`` too)."""
+    return _version("megatron.bridge", "megatron-bridge")
+
+
+def project(module: str) -> str:
+    """The project a ``megatron...`` module belongs to, and its version, for messages."""
+    if module.startswith("megatron.bridge"):
+        return f"Megatron-Bridge {bridge_version()}"
+    return f"megatron-core {mcore_version()}"
+
+
+def _version(package: str, distribution: str) -> str:
+    info = sys.modules.get(package + ".package_info")
     if getattr(info, "__version__", None):
         return info.__version__
-    path = module_file("megatron.core.package_info")
+    path = module_file(package + ".package_info")
     if path is not None:
         try:
             return str(runpy.run_path(path)["__version__"])
         except Exception:  # a broken package_info: fall back to the metadata
             pass
     try:
-        return importlib.metadata.version("megatron-core")
+        return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return "unknown"

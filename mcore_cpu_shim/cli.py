@@ -8,10 +8,10 @@ Exit status 2 means bad input: an unknown option, or a bad ``MCORE_CPU_SHIM_*`` 
 import argparse
 import sys
 
-from . import demo, doctor, run
+from . import convert, demo, doctor, run
 from ._version import __version__
 
-SUBCOMMANDS = (demo, doctor, run)
+SUBCOMMANDS = (convert, demo, doctor, run)
 
 
 def build_parser():

@@ -7,6 +7,7 @@ from . import (
     local_moe_norm_keys,
     moe_dispatcher_device,
     moe_forward_device,
+    rng_tracker_device,
     softmax_offsets_device,
     yarn_rope_device,
 )
@@ -20,4 +21,24 @@ FIXES = (
     attention_buffers_device.FIX,
     moe_forward_device.FIX,
     gdp_probe_device.FIX,
+    rng_tracker_device.FIX,
+)
+
+from . import (  # noqa: E402
+    bridge_expert_names,
+    bridge_local_layers,
+    bridge_process_group,
+    bridge_rng_state,
+    bridge_te_optional,
+    bridge_yarn_config,
+)
+
+# The Megatron-Bridge fix set, in the order of patches/bridge/series.
+BRIDGE_FIXES = (
+    bridge_te_optional.FIX,
+    bridge_process_group.FIX,
+    bridge_local_layers.FIX,
+    bridge_rng_state.FIX,
+    bridge_yarn_config.FIX,
+    bridge_expert_names.FIX,
 )

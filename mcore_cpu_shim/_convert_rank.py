@@ -1,0 +1,428 @@
+"""One rank of ``mcore-cpu-shim convert``: Megatron-Bridge's public API, phase by phase.
+
+Started by convert.py as ``python -m mcore_cpu_shim._convert_rank SPEC RANK`` in a fresh
+interpreter with ``CUDA_VISIBLE_DEVICES=""``: ``-m`` imports the package first, so the shim is
+active before torch, megatron-core or Megatron-Bridge is imported. SPEC is the JSON file the
+parent wrote (direction, folders, world, parallelism, timeout). Each phase appends JSON lines
+to ``<events>/rank<RANK>.jsonl`` as it starts and ends (``{"phase", "started"}``, then
+``{"phase", "ok", "seconds", ...}``), so the parent can print progress and knows where a rank
+that it has to kill got to; a last line holds the facts (versions, CUDA initialised, driver
+libraries mapped, fix states).
+
+The conversion itself is Bridge's: ``AutoBridge.from_hf_pretrained``, the model provider
+(``to_megatron_provider``, ``provide_distributed_model``, its weight-loading hook),
+``save_megatron_model``, ``load_megatron_model``, ``save_hf_pretrained`` and, to verify,
+``export_hf_weights``. What this module adds: the Gloo process group (on loopback, with the
+parent's timeout on every collective, also in megatron-core's own groups), the phases, and the
+tensor-by-tensor comparison.
+
+Nothing is imported from torch, megatron or Bridge at module level: the parent and the tests
+import this module for ``PHASES``, ``Phases`` and the comparison helpers.
+"""
+
+import json
+import os
+import sys
+import time
+import traceback
+
+PHASES = {
+    "import": ("load HF", "build model", "copy weights", "save", "verify"),
+    "export": ("load HF config", "load Megatron", "save HF", "verify"),
+}
+
+
+def phases_of(spec):
+    """The phases a conversion of ``spec`` runs, in order (verify only when asked for)."""
+    return tuple(p for p in PHASES[spec["direction"]] if p != "verify" or spec.get("verify"))
+
+
+class InputProblem(Exception):
+    """The source is at fault, not the conversion (e.g. an architecture Bridge cannot
+    convert): the parent exits with status 2."""
+
+
+class VerifyMismatch(Exception):
+    """Verification found tensors that are not equal; ``facts`` holds the counts."""
+
+    def __init__(self, message, facts):
+        super().__init__(message)
+        self.facts = facts
+
+
+def where(exc):
+    """Where ``exc`` happened: the innermost frame in megatron (core or Bridge), else the
+    innermost frame, as ``path:line in function`` with the path from its package on."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return ""
+    inside = [f for f in frames if "megatron/" in f.filename.replace(os.sep, "/")]
+    frame = (inside or frames)[-1]
+    path = frame.filename.replace(os.sep, "/")
+    if "megatron/" in path:
+        path = path[path.rfind("megatron/") :]
+    elif "site-packages/" in path:
+        path = path[path.rfind("site-packages/") + len("site-packages/") :]
+    return f"{path}:{frame.lineno} in {frame.name}"
+
+
+class Phases:
+    """The phase a rank is in. ``start`` ends the current phase (ok) and records the next one's
+    start; ``fail`` records what ended the current phase."""
+
+    def __init__(self, events_path):
+        self.events = open(events_path, "a")
+        self.current, self.started = None, None
+
+    def record(self, **event):
+        self.events.write(json.dumps(dict(event, t=time.time())) + "\n")
+        self.events.flush()
+
+    def start(self, name):
+        if self.current is not None:
+            self.end()
+        self.current, self.started = name, time.perf_counter()
+        self.record(phase=name, started=True)
+
+    def end(self, **facts):
+        self.record(phase=self.current, ok=True, seconds=time.perf_counter() - self.started, **facts)
+        self.current = None
+
+    def fail(self, exc):
+        text = str(exc).strip()
+        message = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+        self.record(
+            phase=self.current,
+            ok=False,
+            seconds=time.perf_counter() - self.started if self.started is not None else None,
+            error=message,
+            input=isinstance(exc, InputProblem),
+            where=where(exc),
+            traceback=traceback.format_exc()[-6000:],
+            **getattr(exc, "facts", {}),
+        )
+
+
+# --- Reading safetensors and comparing tensors ---
+
+
+class SafetensorsFolder:
+    """The tensors of the ``*.safetensors`` files in a folder, read one at a time."""
+
+    def __init__(self, folder):
+        from safetensors import safe_open
+
+        self.files = {}
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".safetensors"):
+                path = os.path.join(folder, name)
+                with safe_open(path, framework="pt") as f:
+                    for key in f.keys():
+                        self.files[key] = path
+
+    def names(self):
+        return list(self.files)
+
+    def get(self, name):
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+
+def compare(exported, expected, dtype=None):
+    """Compare the ``(name, tensor)`` pairs of ``exported`` with the tensors of ``expected``
+    (a ``SafetensorsFolder``) by ``torch.equal``; with ``dtype``, the expected tensors are cast
+    to it first (a conversion to another dtype). Returns the counts and names:
+    ``{"tensors", "equal", "differing", "missing", "unexpected"}`` where ``tensors`` counts the
+    expected tensors, ``missing`` are expected ones that were never exported and
+    ``unexpected`` exported ones that are not expected."""
+    import torch
+
+    names = set(expected.names())
+    seen, differing, unexpected = set(), [], []
+    for name, tensor in exported:
+        if name not in names:
+            unexpected.append(name)
+            continue
+        if name in seen:
+            continue
+        seen.add(name)
+        want = expected.get(name)
+        if dtype is not None and want.dtype.is_floating_point:
+            want = want.to(dtype)
+        if not torch.equal(tensor.detach().cpu(), want):
+            differing.append(name)
+    missing = sorted(names - seen)
+    return {
+        "tensors": len(names),
+        "equal": len(seen) - len(differing),
+        "differing": sorted(differing),
+        "missing": missing,
+        "unexpected": sorted(unexpected),
+    }
+
+
+def check_comparison(facts):
+    """Raise ``VerifyMismatch`` unless every expected tensor was exported equal."""
+    problems = []
+    for key, text in (("differing", "differ"), ("missing", "missing from the export"),
+                      ("unexpected", "exported but not in the reference")):
+        if facts[key]:
+            problems.append(f"{len(facts[key])} {text} (e.g. {', '.join(facts[key][:3])})")
+    if problems or facts["tensors"] == 0:
+        summary = f"{facts['equal']}/{facts['tensors']} tensors equal"
+        raise VerifyMismatch(f"{summary}: {'; '.join(problems) or 'nothing to compare'}", facts)
+
+
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(folder):
+    return any(os.path.exists(os.path.join(folder, name)) for name in TOKENIZER_FILES)
+
+
+def directory_size(path):
+    return sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(path) for n in names)
+
+
+# --- The conversion ---
+
+
+def init_gloo(spec, rank):
+    """The Gloo process group of this conversion on loopback; every collective on it (and on
+    megatron-core's groups, ``timeout_minutes``) gives up after ``spec["timeout"]`` seconds."""
+    import datetime
+
+    import torch
+
+    torch.distributed.init_process_group(
+        "gloo",
+        init_method=f"tcp://{spec['address']}:{spec['port']}",
+        rank=rank,
+        world_size=spec["ranks"],
+        timeout=datetime.timedelta(seconds=spec["timeout"]),
+    )
+
+
+def timeout_minutes(spec):
+    return spec["timeout"] / 60
+
+
+def _auto_bridge():
+    try:
+        from megatron.bridge import AutoBridge
+    except ImportError as exc:
+        raise ImportError(f"cannot import Megatron-Bridge: {type(exc).__name__}: {exc}") from exc
+    return AutoBridge
+
+
+def _first_line(exc):
+    lines = [line.strip(" ✗\t") for line in str(exc).splitlines() if line.strip(" ✗\t")]
+    return lines[0] if lines else type(exc).__name__
+
+
+def bridge_for(AutoBridge, folder, **kwargs):
+    """``AutoBridge.from_hf_pretrained(folder)``, after checking with ``from_hf_config`` that
+    Bridge can convert the model at all: a config it rejects is an ``InputProblem``."""
+    import transformers
+
+    config_file = os.path.join(folder, "config.json")
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder)
+    except (ValueError, KeyError, OSError) as exc:
+        raise InputProblem(f"{config_file}: transformers cannot read this config: {_first_line(exc)}") from exc
+    try:
+        AutoBridge.from_hf_config(config)
+    except ValueError as exc:
+        supported = ", ".join(AutoBridge.list_supported_models())
+        architectures = getattr(config, "architectures", None)
+        raise InputProblem(
+            f"{config_file}: Megatron-Bridge cannot convert architectures {architectures}: "
+            f"{_first_line(exc)}. This Megatron-Bridge converts: {supported}"
+        ) from exc
+    return AutoBridge.from_hf_pretrained(folder, **kwargs)
+
+
+def configure(provider, spec, dtype):
+    """The parallelism of this conversion (and ``--dtype``) on a Bridge model provider."""
+    import torch
+
+    provider.tensor_model_parallel_size = spec["tp"]
+    provider.pipeline_model_parallel_size = 1
+    provider.expert_model_parallel_size = spec["ep"]
+    if dtype is not None:
+        provider.params_dtype = dtype
+        provider.bf16 = dtype == torch.bfloat16
+        provider.fp16 = dtype == torch.float16
+    return provider
+
+
+def iteration_folder(folder):
+    """The checkpoint folder of the latest iteration in a Megatron checkpoint folder (as
+    ``AutoBridge.load_megatron_model`` picks it), or the folder itself."""
+    latest = os.path.join(folder, "latest_checkpointed_iteration.txt")
+    if os.path.exists(latest):
+        with open(latest) as f:
+            text = f.read().strip()
+        if text.isdigit() and os.path.isdir(os.path.join(folder, f"iter_{int(text):07d}")):
+            return os.path.join(folder, f"iter_{int(text):07d}")
+    numbered = [n for n in os.listdir(folder) if n.startswith("iter_") and n[5:].isdigit()]
+    return os.path.join(folder, max(numbered, key=lambda n: int(n[5:]))) if numbered else folder
+
+
+def load_checkpoint(bridge, folder, spec, dtype):
+    """A fresh model, built by Bridge's provider from the Hugging Face config (as for the
+    import), with the weights of the ``torch_dist`` checkpoint in ``folder`` loaded by Bridge's
+    ``build_and_load_model``. That is what ``AutoBridge.load_megatron_model`` runs, after
+    reading the model settings from the checkpoint's ``run_config.yaml`` instead; Megatron-Bridge
+    0.3.1 cannot rebuild a GPT-OSS model from there (its bridge sets the YaRN settings as plain
+    attributes of a ``GPTModelProvider`` that has no such fields, so the file lacks them)."""
+    from megatron.bridge.training.model_load_save import build_and_load_model
+
+    provider = configure(bridge.to_megatron_provider(load_weights=False), spec, dtype)
+    provider.perform_initialization = False  # every weight comes from the checkpoint
+    model = build_and_load_model(iteration_folder(folder), provider, use_cpu_init=True, skip_temp_dist_context=True)
+    return model if isinstance(model, list) else [model]
+
+
+def run_import(spec, rank, phases, facts):
+    import torch
+
+    phases.start("load HF")
+    AutoBridge = _auto_bridge()
+    dtype = getattr(torch, spec["dtype"]) if spec.get("dtype") else None
+    bridge = bridge_for(AutoBridge, spec["hf"], **({"torch_dtype": dtype} if dtype else {}))
+    init_gloo(spec, rank)
+
+    phases.start("build model")
+    provider = configure(bridge.to_megatron_provider(load_weights=True), spec, dtype)
+    provider.finalize()
+    # What provide_distributed_model would do, with this conversion's timeout on the groups.
+    provider.initialize_model_parallel(seed=0, distributed_timeout_minutes=timeout_minutes(spec))
+
+    def built(model):  # runs before Bridge's own hook, which copies the HF weights in
+        phases.start("copy weights")
+        return model
+
+    provider.register_pre_wrap_hook(built, prepend=True)
+    model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    if phases.current == "build model":  # no pre-wrap hook ran: the copy happened in the build
+        phases.start("copy weights")
+
+    phases.start("save")
+    # As import_ckpt, with the tokenizer recorded in the checkpoint, where the folder has one.
+    tokenizer = spec["hf"] if has_tokenizer(spec["hf"]) else None
+    bridge.save_megatron_model(model, spec["out"], hf_tokenizer_path=tokenizer, low_memory_save=True)
+    del model
+    torch.distributed.barrier()
+    phases.end(**({"size": directory_size(spec["out"])} if rank == 0 else {}))
+
+    if spec.get("verify"):
+        phases.start("verify")
+        fresh = load_checkpoint(bridge, spec["out"], spec, dtype)
+        verify(bridge, fresh, spec["hf"], rank, phases, dtype)
+
+
+def run_export(spec, rank, phases, facts):
+    phases.start("load HF config")
+    AutoBridge = _auto_bridge()
+    bridge = bridge_for(AutoBridge, spec["hf_config"])
+    init_gloo(spec, rank)
+    from megatron.core import parallel_state
+
+    # What Bridge's export_ckpt does (its temporary_distributed_context), on this group.
+    parallel_state.initialize_model_parallel(distributed_timeout_minutes=timeout_minutes(spec))
+
+    phases.start("load Megatron")
+    model = load_checkpoint(bridge, spec["megatron"], spec, None)
+
+    phases.start("save HF")
+    if not has_tokenizer(spec["hf_config"]):
+        # save_hf_pretrained saves the tokenizer with the model, and loading one the folder does
+        # not have fails: there is none to save (Bridge's public setter; the rest as it does).
+        bridge.hf_pretrained.tokenizer = None
+    # As export_ckpt: strict=False (verify below is the check)
+    bridge.save_hf_pretrained(model, spec["out"], show_progress=False, strict=False)
+    phases.end(**({"size": directory_size(spec["out"])} if rank == 0 else {}))
+
+    if spec.get("verify"):
+        phases.start("verify")
+        verify(bridge, model, spec["out"], rank, phases, None)
+
+
+def verify(bridge, model, reference, rank, phases, dtype):
+    """Export ``model``'s weights with Bridge and compare them with the safetensors in
+    ``reference`` on rank 0 (the other ranks take part in the gathers)."""
+    exported = bridge.export_hf_weights(model, cpu=True, show_progress=False)
+    if rank != 0:
+        for _ in exported:
+            pass
+        phases.end()
+        return
+    facts = compare(exported, SafetensorsFolder(reference), dtype=dtype)
+    check_comparison(facts)
+    phases.end(**facts)
+
+
+def final_facts():
+    import torch
+
+    from . import status
+    from ._engine import mcore_version
+    from .doctor import driver_libraries
+
+    facts = {
+        "torch": torch.__version__,
+        "megatron_core": mcore_version(),
+        "cuda_initialized": torch.cuda.is_initialized(),
+        "driver_libraries": driver_libraries(),
+        "fixes": {name: fix["state"] for name, fix in status().items()},
+    }
+    if "megatron.bridge" in sys.modules:
+        try:
+            from megatron.bridge.package_info import __version__ as bridge_version
+
+            facts["megatron_bridge"] = bridge_version
+        except ImportError:
+            pass
+    return facts
+
+
+def main(spec_path, rank):
+    with open(spec_path) as f:
+        spec = json.load(f)
+    phases = Phases(os.path.join(spec["events"], f"rank{rank}.jsonl"))
+    facts = {}
+    ok = False
+    try:
+        (run_import if spec["direction"] == "import" else run_export)(spec, rank, phases, facts)
+        if phases.current is not None:
+            phases.end()
+        ok = True
+    except BaseException as exc:  # noqa: BLE001  (report whatever ended the phase)
+        phases.fail(exc)
+    try:
+        facts.update(final_facts())
+    except Exception as exc:  # noqa: BLE001
+        facts["facts_error"] = f"{type(exc).__name__}: {exc}"
+    phases.record(done=True, ok=ok, **facts)
+    if ok:
+        import torch
+
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    # A failed rank may leave others waiting in a collective, and its exit handlers with them:
+    # leave at once (the parent ends the others), but not without the helper processes
+    # megatron-core's checkpoint writer started.
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.kill()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

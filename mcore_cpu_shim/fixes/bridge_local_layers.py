@@ -1,0 +1,131 @@
+"""bridge_local_layers: without a usable Transformer Engine, a Bridge provider builds local layers,
+and the checkpoint still describes the model as a GPU with TE would build it.
+
+Megatron-Bridge's GPT provider always asks for the TE layer spec
+(``gpt_provider.default_layer_spec`` -> ``transformer_engine_layer_spec``, which without TE
+fails on names TE would have provided), and model bridges switch on fusions that only exist in
+TE: Llama sets ``persist_layer_norm`` and ``apply_rope_fusion``, GPT-OSS ``moe_grouped_gemm``
+and ``moe_permute_fusion``. megatron-core's config checks reject those without TE
+(``TransformerConfig.__post_init__``, which Bridge runs in ``finalize()``: e.g. "apply_rope_fusion
+is not available. Please install TE >= 1.4."). On a CPU-only host (no TE, or TE treated as absent
+by the shim's guard) no model can be built. Megatron-Bridge 0.3.1 and main 067f987d.
+
+Fix, only where TE is unusable (no usable CUDA device, or no importable ``transformer_engine``):
+- ``transformer_engine_layer_spec(config)`` returns Bridge's own ``local_layer_spec(config)``
+  (same modules and parameter names as a local megatron-core model; the checkpoint's keys are
+  the same as with TE, the TE-specific extra state aside, which megatron-core's loading of
+  ``torch_dist`` tolerates);
+- ``finalize()`` switches the TE-only flags off before megatron-core's checks run, with one
+  warning per flag and process saying so (the values these flags select are the same math:
+  fused and unfused RoPE, permutation and per-expert GEMMs give the same result up to floating
+  point order, and conversion copies weights without running them);
+- the values the CPU run changed are kept on the provider and written to ``run_config.yaml``
+  as they were: the checkpoint says ``transformer_layer_spec: default_layer_spec`` and the
+  fusions on, so the GPU side (``load_megatron_model``, training) builds the TE model it would
+  have built from a GPU conversion.
+Where TE is usable nothing changes.
+"""
+
+import importlib.util
+import logging
+
+from .._engine import Fix, Target, occurs, takes
+
+logger = logging.getLogger("mcore_cpu_shim")
+
+# TransformerConfig flags that select code only Transformer Engine provides (or, for grouped
+# GEMM, TE or the CUDA-only grouped_gemm package).
+TE_ONLY = ("persist_layer_norm", "apply_rope_fusion", "moe_grouped_gemm", "moe_permute_fusion")
+# Where a provider keeps the values the CPU run changed (not a dataclass field: never copied
+# into megatron-core's own config handling, skipped by Bridge's serialisation).
+KEPT = "_mcore_cpu_shim_kept"
+_told = set()
+
+
+def te_usable() -> bool:
+    """Whether this process can use Transformer Engine: a CUDA device and an importable TE (the
+    shim's TE guard makes an unusable one unimportable)."""
+    import torch
+
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def _layer_spec(original, module):
+    def transformer_engine_layer_spec(config, *args, **kwargs):
+        if te_usable():
+            return original(config, *args, **kwargs)
+        return module.local_layer_spec(config)
+
+    return transformer_engine_layer_spec
+
+
+def _finalize(original, module):
+    def finalize(self, *args, **kwargs):
+        if not te_usable():
+            kept = self.__dict__.setdefault(KEPT, {})
+            for flag in TE_ONLY:
+                if getattr(self, flag, False):
+                    kept.setdefault(flag, getattr(self, flag))
+                    setattr(self, flag, False)
+                    if flag not in _told:
+                        _told.add(flag)
+                        logger.warning(
+                            "mcore_cpu_shim: %s=True needs Transformer Engine, which is unusable "
+                            "here: off for this run (the checkpoint's run_config.yaml keeps True)",
+                            flag,
+                        )
+        return original(self, *args, **kwargs)
+
+    return finalize
+
+
+def _to_dict(original, module):
+    def _convert_value_to_dict(cls, value):
+        result = original(cls, value)
+        kept = getattr(value, "__dict__", {}).get(KEPT) if not isinstance(value, type) else None
+        if kept and isinstance(result, dict):
+            result.update((name, v) for name, v in kept.items() if name in result)
+        return result
+
+    return _convert_value_to_dict
+
+
+FIX = Fix(
+    name="bridge_local_layers",
+    summary="without a usable Transformer Engine a Megatron-Bridge provider builds local "
+    "layers with TE-only fusions off; run_config.yaml keeps the GPU configuration",
+    targets=(
+        Target(
+            module="megatron.bridge.models.gpt_provider",
+            qualname="transformer_engine_layer_spec",
+            known_buggy={},
+            bug=("get_gpt_layer_with_transformer_engine_spec(",),
+            replacement=_layer_spec,
+            site=(takes("config"), occurs("get_gpt_layer_with_transformer_engine_spec(")),
+        ),
+        Target(
+            module="megatron.bridge.models.transformer_config",
+            qualname="TransformerConfig.finalize",
+            known_buggy={},
+            bug=("MCoreTransformerConfig.__post_init__(self)",),
+            replacement=_finalize,
+            site=(occurs("MCoreTransformerConfig.__post_init__(self)"),),
+        ),
+        Target(
+            module="megatron.bridge.models.transformer_config",
+            qualname="MLATransformerConfig.finalize",
+            known_buggy={},
+            bug=("MCoreMLATransformerConfig.__post_init__(self)",),
+            replacement=_finalize,
+            site=(occurs("MCoreMLATransformerConfig.__post_init__(self)"),),
+        ),
+        Target(
+            module="megatron.bridge.training.utils.config_utils",
+            qualname="_ConfigContainerBase._convert_value_to_dict",
+            known_buggy={},
+            bug=("_convert_value_to_dict(",),
+            replacement=_to_dict,
+            site=(takes("cls", "value"),),
+        ),
+    ),
+)
