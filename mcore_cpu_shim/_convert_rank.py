@@ -132,7 +132,7 @@ class SafetensorsFolder:
 
 def compare(exported, expected, dtype=None):
     """Compare the ``(name, tensor)`` pairs of ``exported`` with the tensors of ``expected``
-    (a ``SafetensorsFolder``) by ``torch.equal``; with ``dtype``, the expected tensors are cast
+    (a ``SafetensorsFolder``): same dtype, same shape and ``torch.equal``; with ``dtype``, the expected tensors are cast
     to it first (a conversion to another dtype). Returns the counts and names:
     ``{"tensors", "equal", "differing", "missing", "unexpected"}`` where ``tensors`` counts the
     expected tensors, ``missing`` are expected ones that were never exported and
@@ -151,7 +151,9 @@ def compare(exported, expected, dtype=None):
         want = expected.get(name)
         if dtype is not None and want.dtype.is_floating_point:
             want = want.to(dtype)
-        if not torch.equal(tensor.detach().cpu(), want):
+        tensor = tensor.detach().cpu()
+        # torch.equal compares values across dtypes: the dtype must match as well
+        if tensor.dtype != want.dtype or tensor.shape != want.shape or not torch.equal(tensor, want):
             differing.append(name)
     missing = sorted(names - seen)
     return {
@@ -286,10 +288,10 @@ def load_checkpoint(bridge, folder, spec, dtype):
     return model if isinstance(model, list) else [model]
 
 
-def run_import(spec, rank, phases, facts):
+def run_import(spec, rank, phases):
+    phases.start("load HF")
     import torch
 
-    phases.start("load HF")
     AutoBridge = _auto_bridge()
     dtype = getattr(torch, spec["dtype"]) if spec.get("dtype") else None
     bridge = bridge_for(AutoBridge, spec["hf"], **({"torch_dtype": dtype} if dtype else {}))
@@ -297,7 +299,13 @@ def run_import(spec, rank, phases, facts):
 
     phases.start("build model")
     provider = configure(bridge.to_megatron_provider(load_weights=True), spec, dtype)
-    provider.finalize()
+    try:
+        provider.finalize()  # megatron-core's config checks
+    except (ValueError, AssertionError) as exc:
+        if spec["tp"] * spec["ep"] == 1:
+            raise
+        raise InputProblem(f"megatron-core rejects this model with --tp {spec['tp']} --ep {spec['ep']}: "
+                           f"{_first_line(exc)}") from exc
     # What provide_distributed_model would do, with this conversion's timeout on the groups.
     provider.initialize_model_parallel(seed=0, distributed_timeout_minutes=timeout_minutes(spec))
 
@@ -324,7 +332,7 @@ def run_import(spec, rank, phases, facts):
         verify(bridge, fresh, spec["hf"], rank, phases, dtype)
 
 
-def run_export(spec, rank, phases, facts):
+def run_export(spec, rank, phases):
     phases.start("load HF config")
     AutoBridge = _auto_bridge()
     bridge = bridge_for(AutoBridge, spec["hf_config"])
@@ -389,14 +397,31 @@ def final_facts():
     return facts
 
 
+def end_with_parent(interval=2.0):
+    """End this rank, and what it started, once the parent command is gone (killed without a
+    chance to stop its ranks): a rank must not convert, or wait for peers, for nobody."""
+    import signal
+    import threading
+
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os.killpg(os.getpgrp(), signal.SIGKILL)  # the rank is in a session of its own
+
+    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
+
+
 def main(spec_path, rank):
+    end_with_parent()
     with open(spec_path) as f:
         spec = json.load(f)
     phases = Phases(os.path.join(spec["events"], f"rank{rank}.jsonl"))
     facts = {}
     ok = False
     try:
-        (run_import if spec["direction"] == "import" else run_export)(spec, rank, phases, facts)
+        (run_import if spec["direction"] == "import" else run_export)(spec, rank, phases)
         if phases.current is not None:
             phases.end()
         ok = True

@@ -359,10 +359,11 @@ class Progress:
         self.shown = None
 
     def running(self, name, seconds):
-        if self.live:
-            self.stream.write(f"\r\033[K  {name} ... {seconds:.0f} s")
+        text = f"  {name} ... {seconds:.0f} s"
+        if self.live and text != self.shown:
+            self.stream.write(f"\r\033[K{text}")
             self.stream.flush()
-            self.shown = name
+            self.shown = text
 
     def done(self, name, summary):
         if self.live and self.shown:
@@ -535,6 +536,10 @@ def _settle(out, backup, existed, success):
         os.makedirs(out, exist_ok=True)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def run(args):
     prog = f"mcore-cpu-shim convert {args.direction}"
     try:
@@ -548,12 +553,14 @@ def run(args):
     folder = tempfile.mkdtemp(prefix="mcore-cpu-shim-convert-")
     print(f"{prog}: {_describe(spec, source)}", flush=True)
     outcome = None
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the ranks as Ctrl-C does
     try:
         outcome = execute(spec, folder)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; every rank stopped, {out} left as it was", file=sys.stderr)
         return 130
     finally:
+        signal.signal(signal.SIGTERM, previous)
         failure = outcome["failure"] if outcome else {}
         _settle(out, backup, existed, success=failure is None)
         if failure is None or failure.get("input"):

@@ -2,6 +2,7 @@
 
 import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +32,9 @@ _mcore_tree = _load_mcore_tree()
 mcore_version = _mcore_tree.mcore_version
 MODE = os.environ.get("MCORE_CPU_SHIM_MODE", "shim")
 MCORE_VERSION = tuple(int(p) for p in mcore_version().split(".")[:2])
+# Megatron-Bridge on the path (tools/matrix.py's bridge legs put it there; the release legs
+# have none, and every Bridge test skips there).
+HAVE_BRIDGE = _mcore_tree.module_file("megatron.bridge") is not None
 
 
 def megatron_source(module):
@@ -70,9 +74,9 @@ def expected_state(fix=None, target=None):
 def _decided_from_source():
     """{fix: {target: (state, detail)}} for this tree, as tools/coverage.py decides it."""
     from mcore_cpu_shim import _engine
-    from mcore_cpu_shim.fixes import FIXES
+    from mcore_cpu_shim.fixes import BRIDGE_FIXES, FIXES
 
-    return _engine.classify_source(FIXES, megatron_source)
+    return _engine.classify_source(FIXES + (BRIDGE_FIXES if HAVE_BRIDGE else ()), megatron_source)
 
 
 def upstream_fixed_here():
@@ -104,6 +108,40 @@ def needs_unfixed(*targets):
 
     reason = f"megatron-core fixed {' and '.join(targets)} itself (upstream-fixed)"
     return pytest.mark.skipif(upstream_fixed(*targets), reason=reason)
+
+
+def needs_bridge():
+    """Skip mark for a test that needs Megatron-Bridge (the matrix's bridge legs have it)."""
+    import pytest
+
+    return pytest.mark.skipif(
+        not HAVE_BRIDGE,
+        reason="Megatron-Bridge is not on the path (it runs in the matrix's bridge legs: "
+        "tools/matrix.py bridge-0.3.1 / bridge-main)",
+    )
+
+
+def hf_model(family):
+    """A tiny HF model of ``family`` (mcore_cpu_shim.hf_models), written once per test session
+    (all workers share it; never modified by a test): its folder."""
+    import hashlib
+
+    builder = os.path.join(os.path.dirname(importlib.util.find_spec("mcore_cpu_shim").origin), "hf_models.py")
+    with open(builder, "rb") as source:
+        version = hashlib.sha256(source.read()).hexdigest()[:12]  # a changed builder: new models
+    folder = os.path.join(tempfile.gettempdir(), f"mcore-cpu-shim-models-{version}", family)
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        result = run_python(
+            "import sys; from mcore_cpu_shim import hf_models; hf_models.write(sys.argv[1], sys.argv[2])",
+            args=(family, folder + f".tmp{os.getpid()}"),
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"writing the tiny {family} model failed:\n{result.stderr}")
+        try:
+            os.rename(folder + f".tmp{os.getpid()}", folder)
+        except OSError:  # another worker was first: its copy is the same model
+            shutil.rmtree(folder + f".tmp{os.getpid()}", ignore_errors=True)
+    return folder
 
 
 def init_gloo(store_dir, rank=0, world_size=1, expert_parallel=1):
@@ -189,13 +227,13 @@ def kill_session(process):
     process.wait()
 
 
-def run_python(code, fresh=False, **env):
+def run_python(code, fresh=False, args=(), **env):
     """Run ``code`` with this environment plus ``env`` (and this folder on PYTHONPATH) and
     return a ``subprocess.CompletedProcess`` with its text output. ``fresh``: in a new
     interpreter even where a preloaded one is available (when torch must not be loaded yet)."""
     with tempfile.TemporaryDirectory() as folder:
         out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
-        process = start_python(code, env=dict(os.environ, **env), stdout=out, stderr=err, fresh=fresh)
+        process = start_python(code, args, env=dict(os.environ, **env), stdout=out, stderr=err, fresh=fresh)
         try:
             process.wait(300)
         finally:

@@ -39,7 +39,7 @@ FIX = Fix(
         Target(
             module="megatron.bridge.models.conversion.param_mapping",
             qualname="MegatronParamMapping.gather_from_ep_ranks",
-            known_buggy={},
+            known_buggy={"0d210fb049f183fa": "0.3.1"},
             bug=(READ,),
             replacement=_rewrite,
             drift=_rewrite,

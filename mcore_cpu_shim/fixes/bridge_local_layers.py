@@ -98,7 +98,7 @@ FIX = Fix(
         Target(
             module="megatron.bridge.models.gpt_provider",
             qualname="transformer_engine_layer_spec",
-            known_buggy={},
+            known_buggy={"8256d0d0009dae5f": "0.3.1", "d616c7e49f3062f5": "main 067f987d (2026-08-22)"},
             bug=("get_gpt_layer_with_transformer_engine_spec(",),
             replacement=_layer_spec,
             site=(takes("config"), occurs("get_gpt_layer_with_transformer_engine_spec(")),
@@ -106,7 +106,7 @@ FIX = Fix(
         Target(
             module="megatron.bridge.models.transformer_config",
             qualname="TransformerConfig.finalize",
-            known_buggy={},
+            known_buggy={"22369e2743215679": "0.3.1", "f9d7d451ebf604cf": "main 067f987d (2026-08-22)"},
             bug=("MCoreTransformerConfig.__post_init__(self)",),
             replacement=_finalize,
             site=(occurs("MCoreTransformerConfig.__post_init__(self)"),),
@@ -114,7 +114,7 @@ FIX = Fix(
         Target(
             module="megatron.bridge.models.transformer_config",
             qualname="MLATransformerConfig.finalize",
-            known_buggy={},
+            known_buggy={"f97e7927bc8e2364": "0.3.1", "b24df07b8eec2749": "main 067f987d (2026-08-22)"},
             bug=("MCoreMLATransformerConfig.__post_init__(self)",),
             replacement=_finalize,
             site=(occurs("MCoreMLATransformerConfig.__post_init__(self)"),),
@@ -122,7 +122,7 @@ FIX = Fix(
         Target(
             module="megatron.bridge.training.utils.config_utils",
             qualname="_ConfigContainerBase._convert_value_to_dict",
-            known_buggy={},
+            known_buggy={"98fe55237d6d97ab": "0.3.1", "6d20a16b2fb79146": "main 067f987d (2026-08-22)"},
             bug=("_convert_value_to_dict(",),
             replacement=_to_dict,
             site=(takes("cls", "value"),),

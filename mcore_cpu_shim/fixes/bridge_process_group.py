@@ -62,7 +62,7 @@ FIX = Fix(
     summary="a Megatron-Bridge provider starts its own process group with Gloo and sets no "
     "CUDA device where CUDA is unavailable",
     targets=(
-        _target("provide_distributed_model", {}),
-        _target("initialize_model_parallel", {}),
+        _target("provide_distributed_model", {"c1aab622386d0622": "0.3.1", "10297091fbfd3262": "main 067f987d (2026-08-22)"}),
+        _target("initialize_model_parallel", {"7b597382d4f54325": "0.3.1, main 067f987d (2026-08-22)"}),
     ),
 )

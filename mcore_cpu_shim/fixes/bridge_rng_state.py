@@ -37,7 +37,7 @@ FIX = Fix(
         Target(
             module="megatron.bridge.training.checkpointing",
             qualname="get_rng_state",
-            known_buggy={},
+            known_buggy={"1e6730ae395a1a12": "0.3.1", "c01ed946ce35ea6d": "main 067f987d (2026-08-22)"},
             bug=(READ,),
             replacement=_rewrite,
             drift=_rewrite,

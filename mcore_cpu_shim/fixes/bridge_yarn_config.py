@@ -86,7 +86,7 @@ FIX = Fix(
         Target(
             module="megatron.bridge.training.utils.config_utils",
             qualname="_ConfigContainerBase.to_dict",
-            known_buggy={},
+            known_buggy={"0c9a97fdd4cf82f5": "0.3.1"},
             bug=("dataclass_fields(self)",),
             fixed_by=(FIELDS,),
             absent_in="Megatron-Bridge main, which inherits megatron-core's and declares the fields",
@@ -96,7 +96,7 @@ FIX = Fix(
         Target(
             module="megatron.bridge.training.model_load_save",
             qualname="load_model_config",
-            known_buggy={},
+            known_buggy={"92d155fac9368ebe": "0.3.1"},
             bug=(INSTANTIATE,),
             fixed_by=(FIELDS,),
             replacement=_rewrite,

@@ -71,15 +71,20 @@ FIX = Fix(
                 takes("self", "name", "seed"),
                 occurs("if seed in self.seeds_:"),
                 occurs("if name in self.states_:"),
+                occurs("torch.cuda.get_rng_state()", 2),
             ),
         ),
         Target(
             module="megatron.core.tensor_parallel.random",
             qualname="CudaRNGStatesTracker.fork",
             known_buggy={"cbdb0003aa2fefb9": "0.13.1-0.15.3", "50be5f1c0271c715": "0.16.1-0.19.2, main d98e8a64"},
-            bug=("_get_cuda_rng_state(",),
+            bug=("_set_cuda_rng_state(self.states_[name]",),
             replacement=_fork,
-            site=(takes("self", "name"), occurs("if name not in self.states_:")),
+            site=(
+                takes("self", "name"),
+                occurs("if name not in self.states_:"),
+                occurs("_set_cuda_rng_state(self.states_[name]"),
+            ),
         ),
     ),
 )
