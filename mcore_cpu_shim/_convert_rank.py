@@ -91,14 +91,16 @@ class Phases:
     def fail(self, exc):
         text = str(exc).strip()
         message = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+        mismatch = isinstance(exc, VerifyMismatch)  # a result, not a crash: no traceback
         self.record(
             phase=self.current,
             ok=False,
             seconds=time.perf_counter() - self.started if self.started is not None else None,
-            error=message,
+            error=text if mismatch else message,
             input=isinstance(exc, InputProblem),
-            where=where(exc),
-            traceback=traceback.format_exc()[-6000:],
+            mismatch=mismatch,
+            where="" if mismatch else where(exc),
+            traceback="" if mismatch else traceback.format_exc()[-6000:],
             **getattr(exc, "facts", {}),
         )
 
@@ -260,32 +262,13 @@ def configure(provider, spec, dtype):
     return provider
 
 
-def iteration_folder(folder):
-    """The checkpoint folder of the latest iteration in a Megatron checkpoint folder (as
-    ``AutoBridge.load_megatron_model`` picks it), or the folder itself."""
-    latest = os.path.join(folder, "latest_checkpointed_iteration.txt")
-    if os.path.exists(latest):
-        with open(latest) as f:
-            text = f.read().strip()
-        if text.isdigit() and os.path.isdir(os.path.join(folder, f"iter_{int(text):07d}")):
-            return os.path.join(folder, f"iter_{int(text):07d}")
-    numbered = [n for n in os.listdir(folder) if n.startswith("iter_") and n[5:].isdigit()]
-    return os.path.join(folder, max(numbered, key=lambda n: int(n[5:]))) if numbered else folder
-
-
-def load_checkpoint(bridge, folder, spec, dtype):
-    """A fresh model, built by Bridge's provider from the Hugging Face config (as for the
-    import), with the weights of the ``torch_dist`` checkpoint in ``folder`` loaded by Bridge's
-    ``build_and_load_model``. That is what ``AutoBridge.load_megatron_model`` runs, after
-    reading the model settings from the checkpoint's ``run_config.yaml`` instead; Megatron-Bridge
-    0.3.1 cannot rebuild a GPT-OSS model from there (its bridge sets the YaRN settings as plain
-    attributes of a ``GPTModelProvider`` that has no such fields, so the file lacks them)."""
-    from megatron.bridge.training.model_load_save import build_and_load_model
-
-    provider = configure(bridge.to_megatron_provider(load_weights=False), spec, dtype)
-    provider.perform_initialization = False  # every weight comes from the checkpoint
-    model = build_and_load_model(iteration_folder(folder), provider, use_cpu_init=True, skip_temp_dist_context=True)
-    return model if isinstance(model, list) else [model]
+def load_checkpoint(bridge, folder, spec):
+    """A fresh model with the weights of the ``torch_dist`` checkpoint in ``folder``, the way
+    ``AutoBridge.export_ckpt`` and any later reload get it: ``load_megatron_model`` rebuilds the
+    model from the checkpoint's own ``run_config.yaml`` (on this Gloo group, CPU
+    initialisation), with this conversion's parallelism."""
+    overrides = {"tensor_model_parallel_size": spec["tp"], "expert_model_parallel_size": spec["ep"]}
+    return bridge.load_megatron_model(folder, mp_overrides=overrides)
 
 
 def run_import(spec, rank, phases):
@@ -328,7 +311,7 @@ def run_import(spec, rank, phases):
 
     if spec.get("verify"):
         phases.start("verify")
-        fresh = load_checkpoint(bridge, spec["out"], spec, dtype)
+        fresh = load_checkpoint(bridge, spec["out"], spec)
         verify(bridge, fresh, spec["hf"], rank, phases, dtype)
 
 
@@ -343,7 +326,7 @@ def run_export(spec, rank, phases):
     parallel_state.initialize_model_parallel(distributed_timeout_minutes=timeout_minutes(spec))
 
     phases.start("load Megatron")
-    model = load_checkpoint(bridge, spec["megatron"], spec, None)
+    model = load_checkpoint(bridge, spec["megatron"], spec)
 
     phases.start("save HF")
     if not has_tokenizer(spec["hf_config"]):
@@ -408,7 +391,9 @@ def end_with_parent(interval=2.0):
     def watch():
         while os.getppid() == parent:
             time.sleep(interval)
-        os.killpg(os.getpgrp(), signal.SIGKILL)  # the rank is in a session of its own
+        if os.getpgrp() == os.getpid():  # a session of its own, as convert starts it
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
 

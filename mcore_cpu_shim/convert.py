@@ -483,6 +483,9 @@ def report_failure(prog, failure, folder):
     if failure.get("input"):
         print(f"{prog}: error: {failure['error'].split(': ', 1)[-1]}", file=sys.stderr)
         return 2
+    if failure.get("mismatch"):
+        print(f"{prog}: verify failed, the output was not kept: {failure['error']}", file=sys.stderr)
+        return 1
     phase = f" in '{failure['phase']}'" if failure.get("phase") else ""
     print(f"{prog}: rank {failure['rank']} failed{phase}: {failure['error']}", file=sys.stderr)
     if failure.get("where"):
@@ -563,7 +566,7 @@ def run(args):
         signal.signal(signal.SIGTERM, previous)
         failure = outcome["failure"] if outcome else {}
         _settle(out, backup, existed, success=failure is None)
-        if failure is None or failure.get("input"):
+        if failure is None or failure.get("input") or failure.get("mismatch"):
             shutil.rmtree(folder, ignore_errors=True)
     if failure is not None:
         return report_failure(prog, failure, folder)

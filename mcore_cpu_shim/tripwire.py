@@ -19,6 +19,17 @@ GUARDED = (
     "current_stream",
     "default_stream",
     "get_device_properties",
+    # These reach _lazy_init through a name their own module imported (torch/cuda/random.py,
+    # torch/cuda/memory.py), which replacing torch.cuda._lazy_init does not catch.
+    "get_rng_state",
+    "get_rng_state_all",
+    "set_rng_state",
+    "set_rng_state_all",
+    "memory_allocated",
+    "memory_reserved",
+    "max_memory_allocated",
+    "empty_cache",
+    "mem_get_info",
 )
 
 # Classes whose construction is guarded. They must stay the very same class objects: code

@@ -58,15 +58,33 @@ def import_every_target(package):
                 importlib.import_module(module)
 
 
+def bridge_fix(name):
+    """Whether ``name`` is one of the Megatron-Bridge fixes."""
+    from mcore_cpu_shim.fixes import BRIDGE_FIXES
+
+    return name in {fix.name for fix in BRIDGE_FIXES}
+
+
+def patched_here(fix):
+    """Whether this mode has the patch of ``fix`` in the tree (and the fix itself off):
+    megatron-core's patches in ``patched`` and ``patched+shim``, Megatron-Bridge's in
+    ``bridge-patched`` (the matrix's Bridge main leg; the megatron-core fixes come from the
+    shim there)."""
+    if MODE == "bridge-patched":
+        return bridge_fix(fix)
+    return MODE in ("patched", "patched+shim") and not bridge_fix(fix)
+
+
 def expected_state(fix=None, target=None):
-    """The state every fix that concerns this megatron-core must report in this mode (with
-    ``target``, "module:qualname": that target of the fix). In shim mode, a fix (or target)
-    that this tree's own source shows fixed (an upstream branch with the fix in) reads
+    """The state every fix that concerns this tree must report in this mode (with ``target``,
+    "module:qualname": that target of the fix). Where the shim is in charge of a fix, a fix (or
+    target) that this tree's own source shows fixed (an upstream branch with the fix in) reads
     upstream-fixed, decided from source as tools/coverage.py does."""
-    if MODE == "shim" and fix is not None:
+    if fix is not None and not patched_here(fix) and MODE in ("shim", "bridge-patched"):
         fixed = upstream_fixed(target) if target is not None else fix in upstream_fixed_here()
-        if fixed:
-            return "upstream-fixed"
+        return "upstream-fixed" if fixed else "applied"
+    if MODE == "bridge-patched":
+        return "disabled"
     return {"shim": "applied", "patched+shim": "upstream-fixed", "patched": "disabled"}[MODE]
 
 
@@ -95,7 +113,7 @@ def upstream_fixed(*targets):
     megatron-core itself (upstream-fixed), in shim mode. A test whose premise is the CUDA
     assumption at those targets (unfixed code fails, the shim replaced them, the original runs
     next to the replacement) skips there: ``needs_unfixed(*targets)``."""
-    if MODE != "shim":
+    if MODE not in ("shim", "bridge-patched"):
         return False  # patched modes have their own skips; nothing is decided from source there
     states = {t: s for decided in _decided_from_source().values() for t, (s, _) in decided.items()}
     return all(states[target] == "upstream-fixed" for target in targets)
@@ -119,6 +137,26 @@ def needs_bridge():
         reason="Megatron-Bridge is not on the path (it runs in the matrix's bridge legs: "
         "tools/matrix.py bridge-0.3.1 / bridge-main)",
     )
+
+
+def free_port():
+    """A loopback port nobody listens on now (Megatron-Bridge starts its own group on
+    MASTER_PORT, default 12355, which parallel tests would otherwise share)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
+def run_bridge(code, *args, **env):
+    """``run_python`` for a child that converts through Megatron-Bridge: its own master port;
+    the last stdout line parsed as JSON. Fails the test with the child's stderr if it failed."""
+    import json
+
+    result = run_python(code, args=args, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), **env)
+    assert result.returncode == 0, result.stderr[-6000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def hf_model(family):

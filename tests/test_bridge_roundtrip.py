@@ -13,7 +13,7 @@ import json
 import os
 
 import pytest
-from helpers import MODE, hf_model, needs_bridge, run_python
+from helpers import MODE, free_port, hf_model, needs_bridge, run_bridge, run_python
 
 pytestmark = [pytest.mark.cuda_hidden, needs_bridge()]
 
@@ -52,22 +52,6 @@ print(json.dumps({"touched": touched, "source": len(source), "back": len(back), 
 """
 
 
-def free_port():
-    """A loopback port nobody listens on (Bridge starts its own group on MASTER_PORT, default
-    12355, which parallel tests would share)."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return str(probe.getsockname()[1])
-
-
-def run(code, *args):
-    result = run_python(code, args=args, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
-    assert result.returncode == 0, result.stderr[-6000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 def run_config(checkpoint):
     import yaml
 
@@ -81,9 +65,9 @@ def run_config(checkpoint):
 def test_round_trip_is_exact_and_touches_no_cuda(family, path, tmp_path):
     hf = hf_model(family)
     megatron, back = str(tmp_path / "megatron"), str(tmp_path / "hf")
-    imported = run(IMPORT, hf, megatron, path)
+    imported = run_bridge(IMPORT, hf, megatron, path)
     assert imported["touched"] == []
-    exported = run(EXPORT, hf, megatron, back)
+    exported = run_bridge(EXPORT, hf, megatron, back)
     assert exported["touched"] == []
     assert exported["source"] == FAMILIES[family]
     assert (exported["equal"], exported["differ"], exported["extra"]) == (FAMILIES[family], [], [])

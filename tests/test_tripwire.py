@@ -57,6 +57,21 @@ def test_constructing_trips_and_the_block_reports_it(name):
     assert not torch.cuda.is_initialized()
 
 
+@pytest.mark.parametrize("call", ["get_rng_state()", "set_rng_state(torch.zeros(8, dtype=torch.uint8))", "memory_allocated()"])
+def test_calls_that_reach_lazy_init_by_their_own_name_trip(call):
+    """torch/cuda/random.py and memory.py call the ``_lazy_init`` they imported themselves:
+    replacing ``torch.cuda._lazy_init`` alone would let these through."""
+    import torch
+
+    tw = tripwire()
+    name = call.split("(")[0]
+    with pytest.raises(tw.CudaTouchedError, match=rf"first: torch\.cuda\.{name}\(\) at"):
+        with tw.forbid_cuda():
+            with pytest.raises(tw.CudaTouchedError):
+                eval(f"torch.cuda.{call}")
+    assert not torch.cuda.is_initialized()
+
+
 def test_subclass_defined_before_or_inside_trips_in_every_open_block():
     import torch
 

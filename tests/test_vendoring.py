@@ -26,7 +26,8 @@ def vendor(tmp_path, fixes_kept=None):
         (package / "__init__.py").write_text("")
     if fixes_kept is not None:
         registry = vendored / "fixes" / "__init__.py"
-        registry.write_text(registry.read_text() + f"\nFIXES = FIXES[:{fixes_kept}]\n")
+        # (an older copy had no Megatron-Bridge fixes either)
+        registry.write_text(registry.read_text() + f"\nFIXES = FIXES[:{fixes_kept}]\nBRIDGE_FIXES = ()\n")
     return os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
 
 
