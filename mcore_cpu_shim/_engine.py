@@ -128,6 +128,10 @@ class Target:
     # ... and what to apply there (None: ``replacement``, which must then be a wrapper that
     # does not depend on the body).
     drift: Optional[Callable[[Callable, types.ModuleType], Callable]] = None
+    # The replacement wraps the original whole and relies on nothing at a bug site (e.g. it
+    # post-processes what the original returns): ``bug`` then only names the function, and a
+    # changed body is drift like any other (the site checks still apply).
+    whole: bool = False
     state: str = PENDING
     detail: str = "module not imported yet"
 

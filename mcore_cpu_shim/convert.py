@@ -20,7 +20,6 @@ failed; 2 bad input (the message says what and how to fix it). Nothing here impo
 workers do.
 """
 
-import argparse
 import importlib.util
 import json
 import os

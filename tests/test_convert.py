@@ -11,10 +11,8 @@ is the one reported, and a Gloo collective gives up after the timeout. The compa
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
