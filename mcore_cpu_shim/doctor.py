@@ -4,11 +4,12 @@ It imports what a conversion imports (torch, every module a fix targets, Transfo
 then reports: torch and its build, whether CUDA is usable and whether those imports
 initialised it, which CUDA driver and toolkit libraries they mapped into the process, the
 megatron-core version (from megatron.core.package_info, so also for a source tree without
-package metadata), Transformer Engine (installed version, whether megatron-core's TE imports
+package metadata), Megatron-Bridge where it is installed (version, whether ``import
+megatron.bridge`` works, with the real error if not), Transformer Engine (installed version, whether megatron-core's TE imports
 work, whether it is usable, what the import guard decided), and each fix's state per target.
 
-Exit status 1 when megatron-core has a CUDA assumption that no fix covers (a fix
-``unsupported``) or fails to import, or when CUDA is not usable and Transformer Engine is
+Exit status 1 when megatron-core or Megatron-Bridge has a CUDA assumption that no fix covers (a
+fix ``unsupported``) or fails to import, or when CUDA is not usable and Transformer Engine is
 neither absent nor treated as absent (the guard off, or TE imported before the guard) while
 megatron-core would use it or die importing it; 0 otherwise.
 
@@ -39,7 +40,7 @@ CUDA_LIBRARIES = (
 def add_parser(subparsers):
     parser = subparsers.add_parser(
         "doctor",
-        help="report torch, CUDA, megatron-core, Transformer Engine and every fix's state",
+        help="report torch, CUDA, megatron-core, Megatron-Bridge, Transformer Engine and every fix's state",
         description=__doc__.split("\n\n")[1].replace("\n", " "),
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -79,11 +80,35 @@ def megatron_core_found():
         return False
 
 
+def _megatron_bridge(engine, report):
+    """Megatron-Bridge, if installed: its version and whether ``import megatron.bridge`` works
+    here (the shim active, as in a conversion); a failing import is a problem."""
+    from ._mcore_tree import bridge_version, module_file
+
+    if module_file("megatron.bridge") is None:
+        return {"version": None}
+    bridge = {"version": bridge_version(), "path": os.path.dirname(module_file("megatron.bridge"))}
+    try:
+        importlib.import_module("megatron.bridge")
+    except Exception as exc:
+        bridge.update(importable=False, error=f"{type(exc).__name__}: {exc}")
+        report["problems"].append(
+            f"Megatron-Bridge {bridge['version']} is installed but does not import: {bridge['error']}. "
+            f"On a CPU-only host it needs the pure-Python packages of `pip install 'mcore-cpu-shim[bridge]'`"
+        )
+    else:
+        bridge["importable"] = True
+    return bridge
+
+
 def _import_targets(package, report):
     """Import every module a fix targets, as a conversion would; record the failures."""
+    bridge = report.get("megatron_bridge", {}).get("importable")
     for fix in package.status().values():
         for target in fix["targets"]:
             module = target.split(":")[0]
+            if module.startswith("megatron.bridge") and not bridge:
+                continue  # not installed, or its own import failed (reported once, below)
             try:
                 importlib.import_module(module)
             except ImportError:
@@ -188,6 +213,7 @@ def collect():
         report["torch"] = {"version": torch.__version__, "build": build}
 
     installed = megatron_core_found()
+    report["megatron_bridge"] = _megatron_bridge(_engine, report) if installed and torch is not None else {"version": None}
     if installed and torch is not None:
         _import_targets(package, report)
     report["megatron_core"] = {"version": _engine.mcore_version() if installed else None}
@@ -240,6 +266,12 @@ def render(report):
         rows.append(("CUDA libraries", ", ".join(report["cuda_libraries"]) or "none mapped"))
     mcore = report["megatron_core"]
     rows.append(("megatron-core", f"{mcore['version']} ({mcore.get('path')})" if mcore["version"] else "not installed"))
+    bridge = report.get("megatron_bridge", {"version": None})
+    if bridge["version"] is None:
+        rows.append(("Megatron-Bridge", "not installed"))
+    else:
+        works = "imports" if bridge["importable"] else f"does not import: {bridge['error']}"
+        rows.append(("Megatron-Bridge", f"{bridge['version']} ({bridge['path']}), {works}"))
     te = report["transformer_engine"]
     rows.append(("Transformer Engine", te["reason"]))
     guard = te["guard"]

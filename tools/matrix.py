@@ -18,6 +18,14 @@ python tools/matrix.py test [--drift VERSION]... VERSION... [-- PYTEST_ARGS]
     ../shared/upstream (megatron-core-<name>.tar.xz, extracted to .mcore/<name>), in shim
     mode only (the patches are made against releases); skipped with a message where that
     folder is absent (a clone without the project's shared data).
+    VERSION may also be a Megatron-Bridge leg: ``bridge-0.3.1`` (Megatron-Bridge 0.3.1 from PyPI,
+    installed without dependencies into .mcore/bridge-0.3.1, on megatron-core 0.16.1) or
+    ``bridge-main`` (Megatron-Bridge main from ../shared/upstream on the megatron-core commit it
+    pins; skipped with a message where that folder is absent). Their modes: shim, and for
+    Bridge main ``bridge-patched`` (patches/bridge/series applied to a copy of Bridge, the
+    Bridge fixes switched off, megatron-core's from the shim; the Bridge unit tests the patches
+    add run there too). They run the Bridge tests (tests/test_bridge_*.py, the convert command,
+    the demo, the drift and engine-state checks over every target).
     Each mode runs two pytest sessions (CUDA legs; the cuda_visible one only where a fresh
     interpreter sees a CUDA device, else it is recorded as not run), each with MATRIX_WORKERS processes
     (pytest-xdist; default: the cores, at most 4).
@@ -57,9 +65,63 @@ NOT_HERE = "not applicable (no such file)"
 NO_TESTS_COLLECTED = 5  # pytest's exit code, e.g. a leg with no tests in patched+shim
 WORKERS = ["-n", os.environ.get("MATRIX_WORKERS", str(min(4, os.cpu_count() or 1)))]
 
-def series():
-    lines = (PATCHES / "series").read_text().splitlines()
+def series(folder=PATCHES):
+    lines = (folder / "series").read_text().splitlines()
     return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+# Megatron-Bridge legs: (Megatron-Bridge, the megatron-core it runs on).
+BRIDGE_LEGS = {"bridge-0.3.1": ("0.3.1", "0.16.1"), "bridge-main": ("main", "bridge-pin-2a75ac12")}
+BRIDGE_PATCHES = PATCHES / "bridge"
+BRIDGE_MODES = ("shim", "bridge-patched")
+BRIDGE_TESTS = ["tests/test_bridge_*.py", "tests/test_convert.py", "tests/test_demo.py", "tests/test_drift.py",
+                "tests/test_engine.py::test_every_fix_reaches_its_expected_state"]
+
+
+def bridge_series():
+    """patches/bridge/series as the report names them (bridge/<patch>)."""
+    return [f"bridge/{p}" for p in series(BRIDGE_PATCHES)] if (BRIDGE_PATCHES / "series").is_file() else []
+
+
+def bridge_fix_names():
+    sys.path.insert(0, str(ROOT))
+    from mcore_cpu_shim.fixes import BRIDGE_FIXES  # (the registry only: activates nothing)
+
+    return ",".join(fix.name for fix in BRIDGE_FIXES)
+
+
+def bridge_overlay(version):
+    """The folder to put on PYTHONPATH for Megatron-Bridge ``version`` (None: no snapshot)."""
+    if version != "main":
+        target = OVERLAYS / f"bridge-{version}"
+        if not (target / f"megatron_bridge-{version}.dist-info").is_dir():
+            shutil.rmtree(target, ignore_errors=True)
+            subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+                            str(target), f"megatron-bridge=={version}"], check=True)
+        return target
+    tarballs = sorted(UPSTREAM.glob("megatron-bridge-main-*.tar.xz"))
+    if not tarballs:
+        return None
+    target = OVERLAYS / tarballs[-1].name.removeprefix("megatron-").removesuffix(".tar.xz")
+    if not (target / "src" / "megatron" / "bridge" / "__init__.py").is_file():
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
+        with tarfile.open(tarballs[-1]) as archive:
+            archive.extractall(target, filter="data")
+    return target / "src"
+
+
+def bridge_patched_overlay(plain):
+    """A copy of the Bridge repository tree (``plain`` is its src/) with patches/bridge/series
+    applied in order: (its src/, {patch: applies | needs rebase})."""
+    tree = plain.parent.with_name(plain.parent.name + "-patched")
+    shutil.rmtree(tree, ignore_errors=True)
+    shutil.copytree(plain.parent, tree, ignore=shutil.ignore_patterns("__pycache__"))
+    results = {}
+    for patch in series(BRIDGE_PATCHES):
+        applied = git_apply(tree, patch, BRIDGE_PATCHES).returncode == 0
+        results[f"bridge/{patch}"] = "applies" if applied else "needs rebase"
+    return tree / "src", results
 
 
 def snapshots():
@@ -96,11 +158,11 @@ def overlay(version):
     return target
 
 
-def git_apply(tree, patch):
+def git_apply(tree, patch, folder=PATCHES):
     """git apply inside ``tree`` as a plain folder (never the repository around it). It applies
     the whole patch or, if any hunk fails, nothing."""
     env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.parent))
-    args = ["git", "apply", str(PATCHES / patch)]
+    args = ["git", "apply", str(folder / patch)]
     return subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True)
 
 
@@ -161,20 +223,28 @@ SWITCHES = ("MCORE_CPU_SHIM_DISABLE", "MCORE_CPU_SHIM_TE", "MCORE_CPU_SHIM_STRIC
             "MCORE_CPU_SHIM_MODE", "_MCORE_CPU_SHIM_DRIFT_ONLY")
 
 
-def tree_env(tree, **settings):
-    """This environment for a test run on megatron-core ``tree``: no outside shim switches,
-    the tree on PYTHONPATH, then ``settings``."""
+def tree_env(*trees, **settings):
+    """This environment for a test run on megatron-core ``trees`` (with a Megatron-Bridge tree
+    first, in a Bridge leg): no outside shim switches, the trees on PYTHONPATH, then
+    ``settings``."""
     env = {name: value for name, value in os.environ.items() if name not in SWITCHES}
     # An unreleased tree's package_info appends the hash of the git repository around it: the
     # trees here sit inside this project's clone, whose hash is not theirs.
-    env.update(PYTHONPATH=str(tree), GIT_CEILING_DIRECTORIES=str(OVERLAYS), **settings)
+    env.update(PYTHONPATH=os.pathsep.join(map(str, trees)), GIT_CEILING_DIRECTORIES=str(OVERLAYS), **settings)
     return env
 
 
-def run_mode(version, mode, tree, pytest_args):
-    env = tree_env(tree, MCORE_CPU_SHIM_MODE="shim" if mode == "drift" else mode,
+def run_mode(version, mode, trees, pytest_args):
+    """One delivery mode on ``trees`` (the megatron-core tree, with a Bridge tree before it in
+    a Bridge leg): both CUDA legs; returns (passed, fix states, per-leg counts)."""
+    tree = trees[0]
+    env = tree_env(*trees, MCORE_CPU_SHIM_MODE="shim" if mode == "drift" else mode,
                    **MODE_ENV.get(mode, {}))
-    if mode == "patched+shim":
+    if mode == "bridge-patched":
+        env["MCORE_CPU_SHIM_DISABLE"] = bridge_fix_names()  # Bridge's come from the patches
+    if version in BRIDGE_LEGS:
+        paths = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(BRIDGE_TESTS[0])) + BRIDGE_TESTS[1:]
+    elif mode == "patched+shim":
         # The shim must stand down on patched code (every fix upstream-fixed, nothing replaced),
         # so the behaviour there is the patched mode's; the engine tests check the stand-down.
         paths = ["tests/test_engine.py"]
@@ -186,8 +256,9 @@ def run_mode(version, mode, tree, pytest_args):
                              "tests/test_cpu_forward.py", "tests/test_multirank.py", "tests/test_demo.py"]
     else:
         paths = ["tests"]
-    if mode == "patched" and (tree / "tests" / "unit_tests").is_dir():
-        paths.append(str(tree / "tests" / "unit_tests"))  # the tests the patches add upstream
+    unit_tests = tree.parent / "tests" / "unit_tests" if mode == "bridge-patched" else tree / "tests" / "unit_tests"
+    if mode in ("patched", "bridge-patched") and unit_tests.is_dir():
+        paths.append(str(unit_tests))  # the tests the patches add upstream
     states_file = RESULTS / f"{version}-{mode}-states.json"
     states_file.unlink(missing_ok=True)
     codes, legs = [], {}
@@ -195,8 +266,8 @@ def run_mode(version, mode, tree, pytest_args):
         leg_env = dict(env, CUDA_VISIBLE_DEVICES="") if leg == "cuda_hidden" else env
         if leg == "cuda_hidden":
             leg_env["MCORE_CPU_SHIM_STATES_FILE"] = str(states_file)  # tests/conftest.py writes it
-        # The megatron unit tests that patches add carry no markers: they run in the hidden leg.
-        leg_paths = paths if leg == "cuda_hidden" else paths[:1]
+        # The unit tests that patches add carry no markers: they run in the hidden leg.
+        leg_paths = paths if leg == "cuda_hidden" else paths[:-1] if str(unit_tests) in paths else paths
         if leg == "cuda_visible" and not devices():
             # Every test of the leg would skip for this one reason: say it without a session
             # (one pytest session costs about 20 s of startup here, over 25 sessions per run).
@@ -229,6 +300,9 @@ def test(versions, pytest_args, drift=()):
         at = versions.index("snapshots")
         versions = versions[:at] + list(found) + versions[at + 1:]
     for version in versions:
+        if version in BRIDGE_LEGS:
+            failed += bridge_leg(version, pytest_args)
+            continue
         print(f"\n===== megatron-core {version} (Python {sys.version.split()[0]}) =====", flush=True)
         if is_release(version):
             plain = overlay(version)
@@ -246,7 +320,7 @@ def test(versions, pytest_args, drift=()):
                 record["modes"][mode] = "not run (a patch needs rebase)"
                 continue
             tree = patched if mode in ("patched", "patched+shim") else plain
-            ok, states, legs = run_mode(version, mode, tree, pytest_args)
+            ok, states, legs = run_mode(version, mode, [tree], pytest_args)
             record["modes"][mode] = "passed" if ok else "FAILED"
             record["states"][mode] = states
             record["legs"][mode] = legs
@@ -256,6 +330,33 @@ def test(versions, pytest_args, drift=()):
     print(f"\nmatrix on Python {sys.version.split()[0]}: "
           + (f"FAILED: {', '.join(failed)}" if failed else "all runs passed"))
     return 1 if failed else 0
+
+
+def bridge_leg(leg, pytest_args):
+    """One Megatron-Bridge leg in its modes; .matrix/<leg>.json; returns the failed runs."""
+    version, mcore = BRIDGE_LEGS[leg]
+    print(f"\n===== Megatron-Bridge {version} on megatron-core {mcore} (Python {sys.version.split()[0]}) =====",
+          flush=True)
+    plain = bridge_overlay(version)
+    core = overlay(mcore) if is_release(mcore) else snapshots().get(mcore)
+    if plain is None or core is None:
+        print(f"no upstream snapshots: {UPSTREAM} is absent or incomplete; the {leg} leg is skipped")
+        return []
+    core = core if is_release(mcore) else snapshot_overlay(mcore, core)
+    patched, patches = bridge_patched_overlay(plain) if version == "main" else (None, {})
+    record = {"mcore": leg, "patches": patches, "modes": {}, "states": {}, "legs": {}}
+    failed = []
+    for mode in BRIDGE_MODES:
+        if mode == "bridge-patched" and (patched is None or "needs rebase" in patches.values()):
+            why = "patches/bridge are made against Bridge main" if patched is None else "a patch needs rebase"
+            record["modes"][mode] = f"not run ({why})"
+            continue
+        ok, states, legs = run_mode(leg, mode, [patched if mode == "bridge-patched" else plain, core], pytest_args)
+        record["modes"][mode], record["states"][mode], record["legs"][mode] = ("passed" if ok else "FAILED"), states, legs
+        if not ok:
+            failed.append(f"{leg} {mode}")
+    (RESULTS / f"{leg}.json").write_text(json.dumps(record, indent=1))
+    return failed
 
 
 def table(title, header, rows):
@@ -286,10 +387,10 @@ def report():
           [[fix] + [r["states"].get("shim", {}).get(fix, "-") for r in runs] for fix in fixes])
     table("Patches (git apply, in series order, each on top of the ones that applied):",
           ["patch"] + releases,
-          [[p] + [r["patches"].get(p, "-") for r in runs] for p in series()])
+          [[p] + [r["patches"].get(p, "-") for r in runs] for p in series() + bridge_series()])
     table("Test runs per delivery mode:", ["mode"] + releases,
-          [[m] + [r["modes"].get(m, "-") for r in runs] for m in MODES])
-    legs = [(m, leg) for m in MODES for leg in ("cuda_hidden", "cuda_visible")]
+          [[m] + [r["modes"].get(m, "-") for r in runs] for m in MODES + BRIDGE_MODES[1:]])
+    legs = [(m, leg) for m in MODES + BRIDGE_MODES[1:] for leg in ("cuda_hidden", "cuda_visible")]
     table("Tests per mode and CUDA leg (passed/skipped/failed; skipped = cannot run on this host or mode):",
           ["mode", "leg"] + releases,
           [[m, leg] + [r.get("legs", {}).get(m, {}).get(leg, "-") for r in runs] for m, leg in legs])
