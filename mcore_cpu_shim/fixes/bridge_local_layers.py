@@ -40,6 +40,8 @@ TE_ONLY = ("persist_layer_norm", "apply_rope_fusion", "moe_grouped_gemm", "moe_p
 # into megatron-core's own config handling, skipped by Bridge's serialisation).
 KEPT = "_mcore_cpu_shim_kept"
 _told = set()
+# What patches/bridge/0003 calls in finalize() (the patched tree switches the flags itself).
+FLAGS_OFF = "_disable_te_only_flags(self)"
 
 
 def te_usable() -> bool:
@@ -100,30 +102,32 @@ FIX = Fix(
             qualname="transformer_engine_layer_spec",
             known_buggy={"8256d0d0009dae5f": "0.3.1", "d616c7e49f3062f5": "main 067f987d (2026-08-22)"},
             bug=("get_gpt_layer_with_transformer_engine_spec(",),
+            fixed_by=("if not is_te_usable():",),  # patches/bridge/0003's own branch
             replacement=_layer_spec,
             site=(takes("config"), occurs("get_gpt_layer_with_transformer_engine_spec(")),
         ),
-        Target(
-            module="megatron.bridge.models.transformer_config",
-            qualname="TransformerConfig.finalize",
-            known_buggy={"22369e2743215679": "0.3.1", "f9d7d451ebf604cf": "main 067f987d (2026-08-22)"},
-            bug=("MCoreTransformerConfig.__post_init__(self)",),
-            replacement=_finalize,
-            site=(occurs("MCoreTransformerConfig.__post_init__(self)"),),
-        ),
-        Target(
-            module="megatron.bridge.models.transformer_config",
-            qualname="MLATransformerConfig.finalize",
-            known_buggy={"f97e7927bc8e2364": "0.3.1", "b24df07b8eec2749": "main 067f987d (2026-08-22)"},
-            bug=("MCoreMLATransformerConfig.__post_init__(self)",),
-            replacement=_finalize,
-            site=(occurs("MCoreMLATransformerConfig.__post_init__(self)"),),
+        *(
+            Target(
+                module="megatron.bridge.models.transformer_config",
+                qualname=f"{config}.finalize",
+                known_buggy=known,
+                bug=(f"MCore{config}.__post_init__(self)",),
+                fixed_by=(FLAGS_OFF,),
+                replacement=_finalize,
+                site=(occurs(f"MCore{config}.__post_init__(self)"),),
+            )
+            for config, known in (
+                ("TransformerConfig", {"22369e2743215679": "0.3.1", "f9d7d451ebf604cf": "main 067f987d (2026-08-22)"}),
+                ("MLATransformerConfig", {"f97e7927bc8e2364": "0.3.1", "b24df07b8eec2749": "main 067f987d (2026-08-22)"}),
+                ("HeterogeneousTransformerConfig", {"0a8800bbece15adc": "0.3.1", "4c623916c19e0e91": "main 067f987d (2026-08-22)"}),
+            )
         ),
         Target(
             module="megatron.bridge.training.utils.config_utils",
             qualname="_ConfigContainerBase._convert_value_to_dict",
             known_buggy={"98fe55237d6d97ab": "0.3.1", "6d20a16b2fb79146": "main 067f987d (2026-08-22)"},
             bug=("def _convert_value_to_dict(",),
+            fixed_by=("_te_only_flags_as_configured",),
             replacement=_to_dict,
             whole=True,
             site=(takes("cls", "value"),),

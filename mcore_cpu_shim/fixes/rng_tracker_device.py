@@ -27,6 +27,9 @@ import contextlib
 
 from .._engine import Fix, Target, occurs, takes
 
+# How patch 0009 (and, we expect, upstream) branches: the methods handle the CPU themselves.
+NO_CUDA = "if not torch.cuda.is_available():"
+
 
 def _add(original, module):
     import torch
@@ -66,6 +69,7 @@ FIX = Fix(
             qualname="CudaRNGStatesTracker.add",
             known_buggy={"15bd0eae79738d7a": "0.13.1-0.19.2, main d98e8a64"},
             bug=("torch.cuda.get_rng_state()",),
+            fixed_by=(NO_CUDA,),
             replacement=_add,
             site=(
                 takes("self", "name", "seed"),
@@ -79,6 +83,7 @@ FIX = Fix(
             qualname="CudaRNGStatesTracker.fork",
             known_buggy={"cbdb0003aa2fefb9": "0.13.1-0.15.3", "50be5f1c0271c715": "0.16.1-0.19.2, main d98e8a64"},
             bug=("_set_cuda_rng_state(self.states_[name]",),
+            fixed_by=(NO_CUDA,),
             replacement=_fork,
             site=(
                 takes("self", "name"),
