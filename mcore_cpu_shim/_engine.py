@@ -676,7 +676,8 @@ def _settle_absent_modules(fixes: Tuple[Fix, ...]) -> None:
                 continue
             package = ".".join(target.module.split(".")[:2])
             if module_file(package) is None:
-                target.state, target.detail = NOT_APPLICABLE, f"{target.project} is not installed"
+                name = target.project if package in ("megatron.core", "megatron.bridge") else package
+                target.state, target.detail = NOT_APPLICABLE, f"{name} is not installed"
             elif package in sys.modules and module_file(target.module) is None:
                 target.state, target.detail = _absent(target, f"module {target.module}")
 

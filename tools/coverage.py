@@ -1,5 +1,4 @@
-"""Which fix state every megatron-core and Megatron-Bridge a user may run gets, decided from
-source alone.
+"""Which fix state every megatron-core and Megatron-Bridge a user may run gets, from source alone.
 
 python tools/coverage.py [--cache DIR] [--json FILE]
 
@@ -74,7 +73,8 @@ class Project:
 PROJECTS = (
     Project("megatron-core", FIXES, snapshots, oldest=Version("0.13.0rc0"),  # 0.13.0 and its rcs on
             oldest_nightly=Version("0.16.1")),
-    Project("megatron-bridge", BRIDGE_FIXES, bridge_snapshots, snapshot_root="src/"),
+    # 0.3.0 on: the 0.1/0.2 pre-releases lack the modules the fix set targets
+    Project("megatron-bridge", BRIDGE_FIXES, bridge_snapshots, snapshot_root="src/", oldest=Version("0.3.0")),
 )
 
 
@@ -182,7 +182,7 @@ def decide(project, cache):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[2].replace("\n", " "))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1].replace("\n", " "))
     parser.add_argument("--cache", type=Path, default=ROOT / ".coverage-wheels")
     parser.add_argument("--json", type=Path, help="also write the states as JSON here")
     args = parser.parse_args()

@@ -42,6 +42,7 @@ KEPT = "_mcore_cpu_shim_kept"
 _told = set()
 # What patches/bridge/0003 calls in finalize() (the patched tree switches the flags itself).
 FLAGS_OFF = "_disable_te_only_flags(self)"
+WRITTEN_BACK = "_te_only_flags_as_configured"  # and where 0003 writes them back
 
 
 def te_usable() -> bool:
@@ -127,7 +128,21 @@ FIX = Fix(
             qualname="_ConfigContainerBase._convert_value_to_dict",
             known_buggy={"98fe55237d6d97ab": "0.3.1", "6d20a16b2fb79146": "main 067f987d (2026-08-22)"},
             bug=("def _convert_value_to_dict(",),
-            fixed_by=("_te_only_flags_as_configured",),
+            fixed_by=(WRITTEN_BACK,),
+            absent_in="Megatron-Bridge 0.5, whose container is megatron.training's (the next target)",
+            replacement=_to_dict,
+            whole=True,
+            site=(takes("cls", "value"),),
+        ),
+        # The config container megatron-training has since mid 2026: Bridge 0.5 uses it as it is,
+        # Bridge main derives from it (both wrappers write the same values: idempotent).
+        Target(
+            module="megatron.training.config.container",
+            qualname="ConfigContainerBase._convert_value_to_dict",
+            known_buggy={"cd5ff91ad4a59d27": "the Megatron-Bridge main pin 2a75ac12 (2026-08-13)"},
+            bug=("def _convert_value_to_dict(",),
+            fixed_by=(WRITTEN_BACK,),
+            absent_in="megatron trees without megatron.training.config (releases, Bridge 0.3/0.4 pins)",
             replacement=_to_dict,
             whole=True,
             site=(takes("cls", "value"),),
