@@ -5,6 +5,11 @@ torch or megatron is imported here: each fix waits for its target module to be i
 Switch fixes off with ``MCORE_CPU_SHIM_DISABLE=name[,name]`` or ``all``. The import also
 installs the Transformer Engine import guard (``MCORE_CPU_SHIM_TE=auto|block|off``, see
 ``_te_guard``).
+
+The import itself is kept light (a few milliseconds, ``benchmarks/bench_import.py``): the fix
+modules are loaded by the first import of ``megatron`` (before any target module can be
+imported; right away if megatron is imported already, or when ``status()``, ``fix_names()`` or
+the fix lists are asked for), and the tripwire when ``forbid_cuda`` is first used.
 """
 
 import os
@@ -13,8 +18,6 @@ import sys
 from . import _engine, _te_guard
 from ._engine import McoreCpuShimWarning
 from ._version import __version__
-from .fixes import BRIDGE_FIXES, FIXES
-from .tripwire import CudaTouchedError, forbid_cuda
 
 __all__ = [
     "__version__",
@@ -26,14 +29,62 @@ __all__ = [
     "McoreCpuShimWarning",
 ]
 
+# The top-level packages that hold every fix's target modules: the first import of one of
+# them loads the fix modules (tests/test_import_cost.py checks that every target is in one).
+ROOTS = ("megatron",)
 
-ALL_FIXES = FIXES + BRIDGE_FIXES
+
+def _all_fixes():
+    """Every fix, megatron-core's then Megatron-Bridge's (imports the fix modules)."""
+    from .fixes import BRIDGE_FIXES, FIXES
+
+    return FIXES + BRIDGE_FIXES
+
+
+def _fixes():
+    """Every fix, hooked (if ``apply`` is still waiting for megatron's import, now)."""
+    _engine.activate()
+    return _all_fixes()
+
+
+# Loaded on first use (module __getattr__): {name: where it comes from}.
+_LAZY = {
+    "tripwire": "tripwire",
+    "forbid_cuda": "tripwire",
+    "CudaTouchedError": "tripwire",
+    "fixes": "fixes",
+    "FIXES": "fixes",
+    "BRIDGE_FIXES": "fixes",
+    "ALL_FIXES": "fixes",
+}
+
+
+def __getattr__(name):
+    source = _LAZY.get(name)
+    if source == "tripwire":
+        from .tripwire import CudaTouchedError, forbid_cuda  # (not `from . import`: it asks us)
+
+        value = {"tripwire": sys.modules[__name__ + ".tripwire"], "forbid_cuda": forbid_cuda,
+                 "CudaTouchedError": CudaTouchedError}[name]
+    elif source == "fixes":
+        every = _fixes()
+        fixes = sys.modules[__name__ + ".fixes"]
+        value = {"fixes": fixes, "FIXES": fixes.FIXES, "BRIDGE_FIXES": fixes.BRIDGE_FIXES,
+                 "ALL_FIXES": every}[name]
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def fix_names():
     """The names of all fixes: megatron-core's in the order of ``patches/series``, then
     Megatron-Bridge's in the order of ``patches/bridge/series``."""
-    return tuple(fix.name for fix in ALL_FIXES)
+    return tuple(fix.name for fix in _fixes())
 
 
 def apply():
@@ -42,13 +93,13 @@ def apply():
     Safe to call again. A bad switch value raises ValueError and activates nothing.
     """
     te_mode = _te_guard.mode_from_env()
-    _engine.apply(ALL_FIXES)
+    _engine.apply(_all_fixes, ROOTS)
     _te_guard.install(te_mode)
 
 
 def status():
     """``{fix name: {"state", "summary", "targets": {target: {"state", "detail"}}}}``."""
-    return _engine.status(ALL_FIXES)
+    return _engine.status(_fixes())
 
 
 def _started_as_cli():

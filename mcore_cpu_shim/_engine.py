@@ -37,33 +37,31 @@ Replacements carry a marker; a target that already carries one (from this copy o
 or another) is left as is. Nothing here raises into the import of megatron-core. The decision
 itself needs only source text (``classify``), so ``tools/coverage.py`` can run it over
 megatron-core trees it does not import.
+
+Import cost: ``import mcore_cpu_shim`` runs first in every conversion process, most of which
+never meet a fix, so it loads only this module's light part (plain classes, the finders).
+Post-import hooks are the engine's own finder (``_PostImportFinder``, what wrapt's were), the
+fix modules are loaded by the first import of ``megatron`` (``apply``'s deferral), and what
+the decision needs (ast, inspect, hashlib, copy, textwrap, functools, logging, warnings,
+importlib.machinery) each function imports when it first runs.
 """
 
 from __future__ import annotations
 
-import ast
-import copy
-import functools
-import hashlib
-import importlib
-import inspect
-import logging
+import _thread
 import os
 import sys
-import textwrap
-import threading
-import types
-import warnings
-from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple
-
-import wrapt
 
 from ._mcore_tree import mcore_version, module_file, project
 from ._version import __version__
 
-logger = logging.getLogger("mcore_cpu_shim")
-logger.addHandler(logging.NullHandler())
+# For type checkers only: typing, ast and types are not imported at run time (see "Import
+# cost" above; the annotations are strings).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import ast
+    import types
+    from typing import Callable, Dict, Optional, Tuple
 
 ENV_DISABLE = "MCORE_CPU_SHIM_DISABLE"
 ENV_STRICT = "MCORE_CPU_SHIM_STRICT"
@@ -94,7 +92,78 @@ class McoreCpuShimWarning(UserWarning):
     """A fix could not be applied; megatron-core runs unpatched at that spot."""
 
 
-@dataclass(frozen=True)
+_MISSING = object()
+
+
+class _Field:
+    """A field's default where the field is left out of the repr (as ``dataclasses.field``)."""
+
+    def __init__(self, default, repr: bool = True):
+        self.default, self.repr = default, repr
+
+
+def _record(frozen: bool = False):
+    """What ``@dataclass`` gives Check, Target and Fix (``__init__`` taking the annotated
+    fields in order, by position or keyword, with their defaults; ``__repr__``; ``__eq__``;
+    with ``frozen``, immutability and ``__hash__``), without importing ``dataclasses`` (which
+    imports ``inspect``) when the package is imported."""
+
+    def make(cls):
+        fields = []  # (name, default or _MISSING, shown in the repr)
+        for name in cls.__annotations__:
+            default, shown = cls.__dict__.get(name, _MISSING), True
+            if isinstance(default, _Field):
+                default, shown = default.default, default.repr
+                setattr(cls, name, default)
+            fields.append((name, default, shown))
+        names = tuple(name for name, _, _ in fields)
+
+        def __init__(self, *args, **kwargs):
+            if len(args) > len(fields):
+                raise TypeError(f"{cls.__name__}() takes {len(fields)} arguments, {len(args)} given")
+            for name, value in zip(names, args):
+                if name in kwargs:
+                    raise TypeError(f"{cls.__name__}() got multiple values for argument {name!r}")
+                kwargs[name] = value
+            unknown = set(kwargs) - set(names)
+            if unknown:
+                raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+            for name, default, _ in fields:
+                value = kwargs.get(name, default)
+                if value is _MISSING:
+                    raise TypeError(f"{cls.__name__}() missing required argument: {name!r}")
+                object.__setattr__(self, name, value)
+
+        def __repr__(self):
+            shown = ", ".join(f"{name}={getattr(self, name)!r}" for name, _, show in fields if show)
+            return f"{cls.__qualname__}({shown})"
+
+        def values(self):
+            return tuple(getattr(self, name) for name in names)
+
+        def __eq__(self, other):
+            if other.__class__ is not self.__class__:
+                return NotImplemented
+            return values(self) == values(other)
+
+        def __setattr__(self, name, value):
+            raise AttributeError(f"cannot assign to field {name!r} of a frozen {cls.__name__}")
+
+        def __delattr__(self, name):
+            raise AttributeError(f"cannot delete field {name!r} of a frozen {cls.__name__}")
+
+        cls.__init__, cls.__repr__, cls.__eq__ = __init__, __repr__, __eq__
+        if frozen:
+            cls.__setattr__, cls.__delattr__ = __setattr__, __delattr__
+            cls.__hash__ = lambda self: hash(values(self))
+        else:
+            cls.__hash__ = None  # mutable and compared by value, as a dataclass
+        return cls
+
+    return make
+
+
+@_record(frozen=True)
 class Check:
     """One thing a fix's drift form relies on at the bug site, checked on the target's code."""
 
@@ -102,7 +171,7 @@ class Check:
     holds: Callable[["Code"], bool]
 
 
-@dataclass
+@_record()
 class Target:
     """One function or method in megatron-core that a fix replaces."""
 
@@ -145,13 +214,13 @@ class Target:
         return "Megatron-Bridge" if self.module.startswith("megatron.bridge") else "megatron-core"
 
 
-@dataclass
+@_record()
 class Fix:
     name: str
     summary: str
     targets: Tuple[Target, ...]
     disabled: bool = False
-    warned: bool = field(default=False, repr=False)
+    warned: bool = _Field(default=False, repr=False)
 
     @property
     def state(self) -> str:
@@ -161,6 +230,8 @@ class Fix:
 
 
 def _without_docstrings(tree: ast.AST) -> ast.AST:
+    import ast
+
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if (
@@ -176,12 +247,19 @@ def _without_docstrings(tree: ast.AST) -> ast.AST:
 
 def normalise(tree: ast.AST) -> str:
     """A syntax tree as ast.unparse writes it, without docstrings or indentation."""
+    import ast
+    import copy
+
     tree = _without_docstrings(copy.deepcopy(tree))
     return "\n".join(line.strip() for line in ast.unparse(tree).splitlines())
 
 
 def function_tree(func: Callable) -> ast.AST:
     """The syntax tree of a function's own source (decorators included)."""
+    import ast
+    import inspect
+    import textwrap
+
     return ast.parse(textwrap.dedent(inspect.getsource(func))).body[0]
 
 
@@ -192,6 +270,8 @@ def normalised_source(func: Callable) -> str:
 
 def fingerprint(source: str) -> str:
     """A short hash of a normalised source."""
+    import hashlib
+
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
@@ -199,6 +279,8 @@ def find_definition(tree: ast.AST, qualname: str) -> Tuple[Optional[ast.AST], bo
     """The definition of ``qualname`` in a module's syntax tree, and whether its owner (the
     module, or the class named before the last dot) exists there. Top-level definitions only,
     the last one of a name winning, as at run time."""
+    import ast
+
     node: Optional[ast.AST] = tree
     *path, name = qualname.split(".")
     for part in path:
@@ -209,6 +291,8 @@ def find_definition(tree: ast.AST, qualname: str) -> Tuple[Optional[ast.AST], bo
 
 
 def _last_def(node: ast.AST, name: str) -> Optional[ast.AST]:
+    import ast
+
     found = None
     for child in getattr(node, "body", ()):
         if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and child.name == name:
@@ -219,6 +303,8 @@ def _last_def(node: ast.AST, name: str) -> Optional[ast.AST]:
 def top_level_imports(tree: ast.Module) -> ast.Module:
     """What a module target's decision looks at: the module's top-level import statements
     (an import inside ``try:`` or ``if`` is guarded already and not among them)."""
+    import ast
+
     return ast.Module(
         body=[node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))],
         type_ignores=[],
@@ -259,6 +345,8 @@ def uses_only(base: str, *allowed: str) -> Check:
     """Every ``<base>.X`` the function names is one of ``allowed``."""
 
     def holds(code):
+        import ast
+
         used = {
             node.attr
             for node in ast.walk(code.tree)
@@ -288,6 +376,8 @@ def declares(module: str, qualname: str, *names: str) -> Check:
     """A class declares these fields (annotated names in its body)."""
 
     def holds(code):
+        import ast
+
         tree = code.lookup(module, qualname)
         declared = {
             node.target.id
@@ -300,6 +390,9 @@ def declares(module: str, qualname: str, *names: str) -> Check:
 
 
 def _live_lookup(module_name: str, qualname: str) -> Optional[ast.AST]:
+    import importlib
+    import inspect
+
     try:
         owner, name = _owner(importlib.import_module(module_name), qualname)
         raw = inspect.getattr_static(owner, name)
@@ -349,6 +442,8 @@ def classify_source(fixes, read: Callable[[str], Optional[str]], strict: bool = 
     """Every target's decision on a megatron-core tree that is read, not imported:
     ``{fix name: {target name: (state, detail)}}``. ``read(module)`` gives a module's source
     (None: the tree has no such module; see ``_absent``)."""
+    import ast
+
     trees: Dict[str, Optional[ast.AST]] = {}
 
     def module_tree(module):
@@ -429,6 +524,9 @@ def _install(module, owner, name: str, raw, original: Callable, new: Callable) -
 
 
 def _decide(fix: Fix, target: Target, module: types.ModuleType) -> Tuple[str, str]:
+    import functools
+    import inspect
+
     try:
         owner, name = _owner(module, target.qualname)
         raw = inspect.getattr_static(owner, name)
@@ -474,6 +572,9 @@ def rewrite(original: Callable, replacements: Dict[str, str], helpers: object) -
     (``__class__`` for zero-argument ``super()``), decorators (but staticmethod/classmethod,
     which ``_install`` keeps) and file name and line numbers, so tracebacks point into
     megatron-core's source. Raises if a key is not found (the site checks make sure it is)."""
+    import ast
+    import inspect
+
     func = inspect.unwrap(original)
     tree = function_tree(original)
     ast.increment_lineno(tree, func.__code__.co_firstlineno - 1)
@@ -535,8 +636,10 @@ def _on_import(fix: Fix, target: Target, module: types.ModuleType) -> None:
 def _record(fix: Fix, target: Target, state: str, detail: str) -> None:
     """Settle a target: its state, one log line, and a warning if it stays unfixed."""
     target.state, target.detail = state, detail
-    logger.info("%s: %s %s (%s)", fix.name, target.name, state, detail)
+    _log("%s: %s %s (%s)", fix.name, target.name, state, detail)
     if state == UNSUPPORTED and not fix.warned:
+        import warnings
+
         fix.warned = True
         warnings.warn(
             f"mcore_cpu_shim: fix {fix.name!r} was not applied to {target.name} in "
@@ -548,37 +651,85 @@ def _record(fix: Fix, target: Target, state: str, detail: str) -> None:
         )
 
 
-class _ModuleLoader(importlib.machinery.SourceFileLoader):
-    """Loads a module with module targets: its code compiled from the fixes' syntax tree."""
+_logger = None
 
-    def __init__(self, fullname: str, path: str, entries):
-        super().__init__(fullname, path)
-        self.entries = entries  # [(fix, target)] whose target is this module's top-level code
 
-    def get_code(self, fullname):
-        tree = None
-        applied = []
-        with _lock:
-            for fix, target in self.entries:
-                if target.state != PENDING:
-                    continue
-                try:
-                    if tree is None:
-                        tree = ast.parse(self.get_source(fullname), self.path)
-                    state, detail, factory = classify(
-                        target, top_level_imports(tree), _live_lookup, _strict, not _drift_only
-                    )
-                    if factory is not None:
-                        tree = factory(copy.deepcopy(tree))
-                        applied.append(fix.name)
-                except Exception as exc:  # never break the import
-                    state, detail = UNSUPPORTED, f"{type(exc).__name__}: {exc}"
-                _record(fix, target, state, detail)
-        if not applied:
-            return super().get_code(fullname)
-        marker = {"fixes": applied, "package": PACKAGE, "version": __version__}
-        tree.body.insert(0, ast.parse(f"{MARKER} = {marker!r}").body[0])
-        return compile(ast.fix_missing_locations(tree), self.path, "exec", dont_inherit=True)
+def _log(message: str, *args) -> None:
+    """One INFO line on the ``mcore_cpu_shim`` logger (logging is loaded on the first one)."""
+    global _logger
+    if _logger is None:
+        import logging
+
+        _logger = logging.getLogger("mcore_cpu_shim")
+        _logger.addHandler(logging.NullHandler())
+    _logger.info(message, *args)
+
+
+# The class of _module_loader(): made on first use, so that importing the package does not
+# import importlib.machinery.
+_ModuleLoader = None
+
+
+def _module_loader(fullname: str, path: str, entries):
+    """A loader for a module with module targets: its code compiled from the fixes' syntax
+    tree (a ``SourceFileLoader`` in every other way)."""
+    global _ModuleLoader
+    if _ModuleLoader is None:
+        _ModuleLoader = _module_loader_class()
+    return _ModuleLoader(fullname, path, entries)
+
+
+def _module_loader_class():
+    from importlib.machinery import SourceFileLoader
+
+    class _ModuleLoader(SourceFileLoader):
+        """Loads a module with module targets: its code compiled from the fixes' syntax tree."""
+
+        def __init__(self, fullname: str, path: str, entries):
+            super().__init__(fullname, path)
+            self.entries = entries  # [(fix, target)] whose target is this module's top-level code
+
+        def get_code(self, fullname):
+            import ast
+            import copy
+
+            tree = None
+            applied = []
+            with _lock:
+                for fix, target in self.entries:
+                    if target.state != PENDING:
+                        continue
+                    try:
+                        if tree is None:
+                            tree = ast.parse(self.get_source(fullname), self.path)
+                        state, detail, factory = classify(
+                            target, top_level_imports(tree), _live_lookup, _strict, not _drift_only
+                        )
+                        if factory is not None:
+                            tree = factory(copy.deepcopy(tree))
+                            applied.append(fix.name)
+                    except Exception as exc:  # never break the import
+                        state, detail = UNSUPPORTED, f"{type(exc).__name__}: {exc}"
+                    _record(fix, target, state, detail)
+            if not applied:
+                return super().get_code(fullname)
+            marker = {"fixes": applied, "package": PACKAGE, "version": __version__}
+            tree.body.insert(0, ast.parse(f"{MARKER} = {marker!r}").body[0])
+            return compile(ast.fix_missing_locations(tree), self.path, "exec", dont_inherit=True)
+
+    return _ModuleLoader
+
+
+def _find_elsewhere(finder, name, path, target):
+    """The spec the finders of ``sys.meta_path`` other than ``finder`` give ``name``."""
+    for other in list(sys.meta_path):
+        find = getattr(other, "find_spec", None)
+        if other is finder or find is None:
+            continue
+        spec = find(name, path, target)
+        if spec is not None:
+            return spec
+    return None
 
 
 class _ModuleFinder:
@@ -602,9 +753,111 @@ class _ModuleFinder:
                 break
         else:
             return None
-        if type(spec.loader) is importlib.machinery.SourceFileLoader:
-            spec.loader = _ModuleLoader(name, spec.origin, entries)
+        from importlib.machinery import SourceFileLoader
+
+        if type(spec.loader) is SourceFileLoader:
+            spec.loader = _module_loader(name, spec.origin, entries)
         return spec
+
+
+class _PostImportFinder:
+    """On ``sys.meta_path``: runs hooks on a module right after its code has run (post-import
+    hooks, as ``wrapt.register_post_import_hook`` has them; see ``_when_imported``).
+
+    For a module with hooks waiting it finds the spec as the other finders would and wraps the
+    loader: ``exec_module`` runs the module, then the module's hooks, in the order they were
+    registered. (A second copy of the package has a finder of its own in front of this one: it
+    wraps the loader this one wrapped, so the hooks of the copy imported first run first.) It
+    is also the trigger of a deferred ``apply``: the first lookup of a name in one of the
+    deferred root packages loads and hooks the fixes (``activate``) before anything else."""
+
+    def __init__(self):
+        self.hooks = {}  # module name -> [hook(module)], until the module has been imported
+        self._local = _thread._local()  # the names this thread is finding elsewhere right now
+
+    def find_spec(self, name, path=None, target=None):
+        if _deferred and name.partition(".")[0] in _roots:
+            activate()
+        if name not in self.hooks:
+            return None
+        busy = getattr(self._local, "names", None)
+        if busy is None:
+            busy = self._local.names = set()
+        if name in busy:  # our own lookup, come back through another finder
+            return None
+        busy.add(name)
+        try:
+            spec = _find_elsewhere(self, name, path, target)
+        finally:
+            busy.discard(name)
+        if spec is not None and spec.loader:
+            spec.loader = _HookedLoader(spec.loader, self)
+        return spec
+
+    def loaded(self, module) -> None:
+        """``module`` has run: its hooks, once (they are forgotten here first)."""
+        with _hooks_lock:
+            hooks = self.hooks.pop(getattr(module, "__name__", None), ())
+        for hook in hooks:
+            hook(module)
+
+
+class _HookedLoader:
+    """A loader that runs the post-import hooks after the loader it wraps ran the module. It
+    answers for that loader in every other way, and gives the module the original back as
+    ``__loader__`` and ``__spec__.loader``."""
+
+    def __init__(self, loader, finder: _PostImportFinder):
+        self.__wrapped__, self._finder = loader, finder
+        # Only what the wrapped loader has (the import system asks with hasattr).
+        if hasattr(loader, "create_module"):
+            self.create_module = loader.create_module
+        if hasattr(loader, "exec_module"):
+            self.exec_module = self._exec_module
+        if hasattr(loader, "load_module"):
+            self.load_module = self._load_module
+
+    def __getattr__(self, name):
+        loader = self.__dict__.get("__wrapped__")
+        if loader is None:
+            raise AttributeError(name)
+        return getattr(loader, name)
+
+    def _unwrapped(self, module) -> None:
+        if getattr(module, "__loader__", None) in (None, self):
+            try:
+                module.__loader__ = self.__wrapped__
+            except AttributeError:
+                pass
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and getattr(spec, "loader", None) is self:
+            spec.loader = self.__wrapped__
+
+    def _exec_module(self, module) -> None:
+        self._unwrapped(module)
+        self.__wrapped__.exec_module(module)
+        self._finder.loaded(module)
+
+    def _load_module(self, fullname):
+        module = self.__wrapped__.load_module(fullname)
+        self._unwrapped(module)
+        self._finder.loaded(module)
+        return module
+
+
+def _when_imported(name: str, hook: Callable) -> None:
+    """Run ``hook(module)`` once module ``name`` has been imported: right away if it already
+    is, else as soon as its code has run (the first import of it that succeeds)."""
+    global _post_finder
+    with _hooks_lock:
+        if _post_finder is None:
+            _post_finder = _PostImportFinder()
+            sys.meta_path.insert(0, _post_finder)
+        module = sys.modules.get(name)
+        if module is None:
+            _post_finder.hooks.setdefault(name, []).append(hook)
+    if module is not None:  # outside the lock: the hook may import
+        hook(module)
 
 
 def parse_disabled(value: str, valid: Tuple[str, ...]) -> set:
@@ -620,42 +873,110 @@ def parse_disabled(value: str, valid: Tuple[str, ...]) -> set:
     return names
 
 
-_lock = threading.RLock()
+_lock = _thread.RLock()
+_hooks_lock = _thread.RLock()
 _applied = False
 _strict = False
 # For the project's tests only: decide as if no release were known, so that every release's
 # own code goes through the site checks and the drift forms (tools/matrix.py's drift mode).
 ENV_DRIFT_ONLY = "_MCORE_CPU_SHIM_DRIFT_ONLY"
 _drift_only = False
+_post_finder = None  # this copy's _PostImportFinder, once in sys.meta_path
+_module_finder = None  # this copy's _ModuleFinder, once in sys.meta_path
+# A deferred apply (see apply): the function that loads the fixes (until it is called), the
+# root packages whose first import calls it, and whether the fixes are still to be hooked.
+_pending = None
+_roots = ()
+_deferred = False
 
 
-def apply(fixes: Tuple[Fix, ...]) -> None:
-    """Hook every fix that is not disabled onto its target modules, once."""
-    global _applied, _strict, _drift_only
+def apply(fixes, roots: Tuple[str, ...] = ()) -> None:
+    """Hook every fix that is not disabled onto its target modules, once.
+
+    ``fixes``: the fixes, or a function that returns them (and imports the fix modules to do
+    so). With a function and ``roots`` (top-level packages that hold every target module),
+    loading and hooking the fixes waits (see ``activate``) until the first import of one of
+    those packages (the import system asks this copy's finder about it first), unless one of
+    them is imported already or ``MCORE_CPU_SHIM_DISABLE`` names fixes (checked against their
+    names now). No target module can be imported before its root package, so every target
+    is hooked in time, as if it had been hooked here; the environment is read here either
+    way."""
+    global _applied, _strict, _drift_only, _pending, _roots, _deferred, _post_finder, _module_finder
     with _lock:
         if _applied:
             return
-        disabled = parse_disabled(os.environ.get(ENV_DISABLE, ""), tuple(f.name for f in fixes))
+        value = os.environ.get(ENV_DISABLE, "")
+        defer = (
+            callable(fixes)
+            and bool(roots)
+            and not value.replace(",", "").strip()
+            and not any(root in sys.modules for root in roots)
+        )
+        if callable(fixes) and not defer:
+            fixes = fixes()
+        disabled = set() if defer else parse_disabled(value, tuple(f.name for f in fixes))
         _strict = strict_from_env()
         _drift_only = os.environ.get(ENV_DRIFT_ONLY) == "1"
         _applied = True
-        modules: Dict[str, list] = {}
-        for fix in fixes:
-            fix.disabled = fix.name in disabled
-            if fix.disabled:
-                logger.info("%s: disabled by %s", fix.name, ENV_DISABLE)
+        if not defer:
+            _hook(fixes, disabled)
+            return
+        _pending, _roots, _deferred = fixes, tuple(roots), True
+        # Where the hooking at import time would have put them, in the same order.
+        with _hooks_lock:
+            _post_finder = _PostImportFinder()
+            sys.meta_path.insert(0, _post_finder)
+        _module_finder = _ModuleFinder({})
+        sys.meta_path.insert(0, _module_finder)
+
+
+def activate() -> None:
+    """Load and hook the fixes now if ``apply`` deferred that (no-op otherwise). Called by
+    the first lookup of a root package, and by the package before it hands out the fixes."""
+    global _pending, _deferred
+    with _lock:
+        load = _pending
+        if load is None:
+            return
+        _pending = None  # (loading them imports modules, which asks the finders again)
+        try:
+            fixes = load()
+        except BaseException:
+            _pending = load
+            raise
+        _hook(fixes, set())
+        _deferred = False
+
+
+def _hook(fixes, disabled: set) -> None:
+    """Hook every fix not in ``disabled`` onto its target modules (under ``_lock``)."""
+    global _module_finder
+    modules: Dict[str, list] = {}
+    for fix in fixes:
+        fix.disabled = fix.name in disabled
+        if fix.disabled:
+            _log("%s: disabled by %s", fix.name, ENV_DISABLE)
+            continue
+        for target in fix.targets:
+            if target.qualname == MODULE:
+                if target.module in sys.modules:
+                    _record(fix, target, *_imported_before(target))
+                else:
+                    modules.setdefault(target.module, []).append((fix, target))
                 continue
-            for target in fix.targets:
-                if target.qualname == MODULE:
-                    if target.module in sys.modules:
-                        _record(fix, target, *_imported_before(target))
-                    else:
-                        modules.setdefault(target.module, []).append((fix, target))
-                    continue
-                hook = functools.partial(_on_import, fix, target)
-                wrapt.register_post_import_hook(hook, target.module)
-        if modules:
-            sys.meta_path.insert(0, _ModuleFinder(modules))
+            _when_imported(target.module, _on_import_of(fix, target))
+    if not modules:
+        return
+    if _module_finder is None:
+        _module_finder = _ModuleFinder(modules)
+        sys.meta_path.insert(0, _module_finder)
+    else:
+        for name, entries in modules.items():
+            _module_finder.entries.setdefault(name, []).extend(entries)
+
+
+def _on_import_of(fix: Fix, target: Target) -> Callable:
+    return lambda module: _on_import(fix, target, module)
 
 
 def _imported_before(target: Target) -> Tuple[str, str]:

@@ -7,18 +7,18 @@ then lie: the version is read from ``megatron/core/package_info.py`` of the tree
 import. That file is run on its own (a few constants), not as ``megatron.core.package_info``,
 so ``megatron/core/__init__.py`` (which imports torch and, in newer trees, queries CUDA) does
 not run. Only the standard library is used here: the project's tests load this file directly,
-without importing (activating) the package.
+without importing (activating) the package. Nothing beyond os and sys is imported before a
+function here runs (the package imports this module on every ``import mcore_cpu_shim``).
 """
 
-import importlib.metadata
-import importlib.util
 import os
-import runpy
 import sys
 
 
 def _roots():
     """The folders that hold the ``megatron`` package Python would import."""
+    import importlib.util
+
     try:
         spec = importlib.util.find_spec("megatron")
         return list(spec.submodule_search_locations or []) if spec else []
@@ -60,10 +60,14 @@ def _version(package: str, distribution: str) -> str:
         return info.__version__
     path = module_file(package + ".package_info")
     if path is not None:
+        import runpy
+
         try:
             return str(runpy.run_path(path)["__version__"])
         except Exception:  # a broken package_info: fall back to the metadata
             pass
+    import importlib.metadata
+
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:

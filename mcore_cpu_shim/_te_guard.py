@@ -44,19 +44,15 @@ guard per process: a second copy of this package (vendored) leaves it to the fir
 
 from __future__ import annotations
 
-import importlib
-import importlib.machinery
-import importlib.metadata
-import logging
+import _thread
 import os
 import sys
-import threading
-import warnings
 
-from ._engine import PACKAGE, McoreCpuShimWarning
+from ._engine import PACKAGE, McoreCpuShimWarning, _log
 from ._version import __version__
 
-logger = logging.getLogger("mcore_cpu_shim")
+# importlib, importlib.metadata, importlib.machinery and warnings are imported where they are used:
+# ``import mcore_cpu_shim`` installs the guard and must stay light.
 
 ENV_TE = "MCORE_CPU_SHIM_TE"
 MODES = ("auto", "block", "off")
@@ -107,6 +103,8 @@ def imported_te_modules() -> list:
 
 def installed_distributions() -> dict:
     """``{distribution: version}`` of the TE distributions installed here (package metadata)."""
+    import importlib.metadata
+
     found = {}
     for name in DISTRIBUTIONS:
         try:
@@ -132,6 +130,8 @@ def try_imports() -> dict:
 
     Returns ``{name: None}`` for each import that worked and ``{name: exception}`` for the
     one that failed; names after a failure are not tried (they would only repeat it)."""
+    import importlib
+
     results = {}
     for name in MEGATRON_IMPORTS:
         try:
@@ -183,7 +183,7 @@ class TeGuard:
         self.cuda_ok = False  # CUDA was found usable: the guard stays out of the way
         self.owner = f"{PACKAGE} {__version__}"
         setattr(self, GUARD_MARKER, True)
-        self._local = threading.local()
+        self._local = _thread._local()  # threading.local, without importing threading
 
     def find_spec(self, name, path=None, target=None):
         if not is_te_name(name) or getattr(self._local, "busy", False):
@@ -236,6 +236,8 @@ class TeGuard:
             reason = (f"{te_label(self.te['version'])} installed, not importable ({self.te['error']}), "
                       f"CUDA not usable: treated as absent")
         self.make_absent(reason, cause)
+        import warnings
+
         warnings.warn(
             f"mcore_cpu_shim: {reason}. megatron-core takes its local code paths instead (TE "
             f"modules cannot run without CUDA; build the model with the local layer spec). Set "
@@ -244,7 +246,7 @@ class TeGuard:
             McoreCpuShimWarning,
             stacklevel=3,
         )
-        logger.info("transformer_engine: %s", reason)
+        _log("transformer_engine: %s", reason)
 
     def make_absent(self, reason, cause):
         """Forget every TE module and mark TE's top-level names absent in sys.modules."""
@@ -257,7 +259,9 @@ class TeGuard:
     def refuse(self, name):
         """A spec whose loading raises our ModuleNotFoundError (the decision's own lookup, or
         a lookup after someone removed the ``None`` marks)."""
-        return importlib.machinery.ModuleSpec(name, _Refuse(self))
+        from importlib.machinery import ModuleSpec
+
+        return ModuleSpec(name, _Refuse(self))
 
     def absent(self, name):
         error = ModuleNotFoundError(
@@ -293,6 +297,8 @@ def install(mode: str) -> None:
         if mode == "block" or not usable:
             shown = ", ".join(imported[:3]) + (", ..." if len(imported) > 3 else "")
             why = f"{ENV_TE}=block" if mode == "block" else "CUDA is not usable here"
+            import warnings
+
             warnings.warn(
                 f"mcore_cpu_shim: {te_label(installed_version())} was imported before "
                 f"mcore_cpu_shim ({shown}), so the guard cannot make it absent although {why}: "

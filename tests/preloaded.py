@@ -4,7 +4,8 @@ Many tests need a fresh interpreter: one per rank, or one with a different envir
 switched off, a fake Transformer Engine on the path). Importing torch and the torch modules
 megatron-core pulls in (dynamo, inductor, DTensor, DCP) costs about 8 s of CPU per interpreter;
 megatron-core and the shim on top of that, under 1 s. A session therefore starts one server
-(``start``) that imports only torch, once, and forks a child per run (``Process``). The child
+(``start``) that imports only torch (and, where installed, transformers), once, and forks a
+child per run (``Process``). The child
 takes the request's environment, working folder, ``sys.path`` (from its ``PYTHONPATH``) and
 ``sys.argv``, then runs the code as ``python -c`` would, in a clean ``__main__``.
 
@@ -17,6 +18,7 @@ run). A test about what gets imported at startup needs a new interpreter instead
 """
 
 import gc
+import importlib.util
 import os
 import signal
 import socket
@@ -37,6 +39,9 @@ PRELOAD = (
     "torch.multiprocessing",
 )
 # Must stay out of the server: the tests import them under their own settings.
+# Also preloaded where installed (the Bridge legs): what Megatron-Bridge's import spends most of
+# its time on that imports nothing of megatron (modelopt does: it stays out).
+PRELOAD_IF_INSTALLED = ("transformers", "transformers.modeling_utils", "transformers.models.auto", "safetensors.torch")
 NOT_PRELOADED = ("megatron", "mcore_cpu_shim", "transformer_engine")
 ADDRESS_VARIABLE = "MCORE_CPU_SHIM_TEST_PRELOADED"
 
@@ -112,6 +117,9 @@ def serve(address, parent):
     try:
         for name in PRELOAD:
             importlib.import_module(name)
+        for name in PRELOAD_IF_INSTALLED:
+            if importlib.util.find_spec(name.split(".")[0]) is not None:
+                importlib.import_module(name)
         leaked = [m for m in sys.modules if m.split(".")[0] in NOT_PRELOADED]
         assert not leaked, f"preloading torch imported {leaked}"
     except BaseException:  # noqa: BLE001  (told to every client instead)

@@ -271,9 +271,9 @@ def test_every_fix_reaches_its_expected_state():
     status = mcore_cpu_shim.status()
     for name, fix in status.items():
         if bridge_fix(name) and not HAVE_BRIDGE:
-            assert fix["state"] == "not-applicable", (name, fix)
-            details = {t["detail"] for t in fix["targets"].values()}
-            assert details <= {"Megatron-Bridge is not installed", "megatron.training is not installed"}, fix
+            # (a megatron-training target may be there: some megatron-core wheels ship it)
+            bridge = {t: s for t, s in fix["targets"].items() if t.startswith("megatron.bridge")}
+            assert {s["detail"] for s in bridge.values()} == {"Megatron-Bridge is not installed"}, fix
             continue
         assert fix["state"] in {expected_state(name), "not-applicable"}, (name, fix)
     if MODE == "shim":

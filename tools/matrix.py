@@ -24,8 +24,8 @@ python tools/matrix.py test [--drift VERSION]... VERSION... [-- PYTEST_ARGS]
     pins; skipped with a message where that folder is absent). Their modes: shim, and for
     Bridge main ``bridge-patched`` (patches/bridge/series applied to a copy of Bridge, the
     Bridge fixes switched off, megatron-core's from the shim; the Bridge unit tests the patches
-    add run there too). They run the Bridge tests (tests/test_bridge_*.py, the convert command,
-    the demo, the drift and engine-state checks over every target).
+    add run there too). They run the Bridge tests (tests/test_bridge_*.py and the drift checks
+    over every target; in shim mode also the convert command, the demo and the engine state).
     Each mode runs two pytest sessions (CUDA legs; the cuda_visible one only where a fresh
     interpreter sees a CUDA device, else it is recorded as not run), each with MATRIX_WORKERS processes
     (pytest-xdist; default: the cores, at most 4).
@@ -243,7 +243,11 @@ def run_mode(version, mode, trees, pytest_args):
     if mode == "bridge-patched":
         env["MCORE_CPU_SHIM_DISABLE"] = bridge_fix_names()  # Bridge's come from the patches
     if version in BRIDGE_LEGS:
-        paths = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(BRIDGE_TESTS[0])) + BRIDGE_TESTS[1:]
+        paths = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(BRIDGE_TESTS[0]))
+        if mode == "shim":  # (the command line and the demo are the shim's: shim mode only)
+            paths += BRIDGE_TESTS[1:]
+        else:  # what the patches must do alike: the Bridge tests, and every target reading fixed
+            paths += ["tests/test_drift.py"]
     elif mode == "patched+shim":
         # The shim must stand down on patched code (every fix upstream-fixed, nothing replaced),
         # so the behaviour there is the patched mode's; the engine tests check the stand-down.
