@@ -378,8 +378,8 @@ def inference_rng_tracker():
 
 def gpt_oss_like(seed, **config):
     """A GPT-OSS-like local-spec GPTModel on the CPU: YaRN RoPE and learnable softmax offsets
-    where the release has them (0.15 on), else learned absolute positions (0.13/0.14: their
-    plain RoPE still moves itself to CUDA in forward, not fixed here)."""
+    where the release has them (0.15 on), else learned absolute positions (0.13/0.14 have no
+    softmax offsets; plain RoPE, which rope_device fixes, is tested in test_rope_device.py)."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel

@@ -8,6 +8,7 @@ from . import (
     moe_dispatcher_device,
     moe_forward_device,
     rng_tracker_device,
+    rope_device,
     softmax_offsets_device,
     yarn_rope_device,
 )
@@ -22,6 +23,7 @@ FIXES = (
     moe_forward_device.FIX,
     gdp_probe_device.FIX,
     rng_tracker_device.FIX,
+    rope_device.FIX,
 )
 
 from . import (  # noqa: E402
