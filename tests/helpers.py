@@ -116,7 +116,8 @@ def upstream_fixed(*targets):
     if MODE not in ("shim", "bridge-patched"):
         return False  # patched modes have their own skips; nothing is decided from source there
     states = {t: s for decided in _decided_from_source().values() for t, (s, _) in decided.items()}
-    return all(states[target] == "upstream-fixed" for target in targets)
+    # (a target of a project this leg does not have, e.g. Megatron-Bridge's: not fixed by it)
+    return all(states.get(target) == "upstream-fixed" for target in targets)
 
 
 def needs_unfixed(*targets):
