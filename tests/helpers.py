@@ -129,6 +129,23 @@ def needs_unfixed(*targets):
     return pytest.mark.skipif(upstream_fixed(*targets), reason=reason)
 
 
+# tools/matrix.py runs the release-independent tests in the first leg of each Python only
+# ("1" there, "0" in the other legs); a plain pytest run has them.
+ONCE_PER_PYTHON = os.environ.get("MCORE_CPU_SHIM_ONCE_PER_PYTHON", "1") == "1"
+
+
+def once_per_python():
+    """Skip mark for a test that does not depend on the megatron-core release (the command
+    line's input checks, the import cost, the pytest plugin): the matrix runs it once per
+    Python, in the first leg."""
+    import pytest
+
+    return pytest.mark.skipif(
+        not ONCE_PER_PYTHON,
+        reason="release-independent: tools/matrix.py runs it in the first leg of this Python",
+    )
+
+
 def needs_bridge():
     """Skip mark for a test that needs Megatron-Bridge (the matrix's bridge legs have it)."""
     import pytest

@@ -16,10 +16,11 @@ import sys
 import time
 
 import pytest
-from helpers import MODE
+from helpers import MODE, once_per_python
 
 pytestmark = [
     pytest.mark.cuda_hidden,
+    once_per_python(),
     pytest.mark.skipif(MODE != "shim", reason=f"mode {MODE}: the command line is part of the shim"),
 ]
 

@@ -1,31 +1,45 @@
 """``python -m mcore_cpu_shim demo``: the whole CPU-only round trip, as a user runs it.
 
-One run of the demo per test (it starts its own rank interpreters, two passes of two ranks):
-what it prints as JSON must say that every step passed with the shim, every tensor and the
-logits are equal, CUDA was never initialised and no driver library was mapped, and where
-unfixed megatron-core stops.
+With Megatron-Bridge on the path the demo converts a tiny GPT-OSS-like Hugging Face model
+HF -> torch_dist -> HF (without and with the shim): every tensor must come back equal and the
+CPU logits of the HF model and of the megatron model built from the checkpoint must agree
+within the parity bar. Without Bridge it says how to install it and runs the megatron-core-only
+round trip, whose run (also with ``--megatron-only`` where Bridge is installed) must say that
+every step passed with the shim, every tensor and the logits are equal, CUDA was never
+initialised and no driver library was mapped, and where unfixed megatron-core stops.
 """
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
-from helpers import MODE, upstream_fixed_here
+from helpers import HAVE_BRIDGE, MODE, megatron_source, needs_bridge, upstream_fixed_here
 
 STEPS = ["build model", "save torch_dist", "build fresh + load", "compare tensors", "forward compare"]
+BRIDGE_STEPS = ["write HF model", "import (HF -> torch_dist)", "export (torch_dist -> HF)", "compare tensors",
+                "CPU logits HF vs megatron"]
 # The fixes of the CUDA spots met while building the model (YaRN tables, softmax offsets, the
 # dispatcher's stream).
 BUILD_FIXES = {"yarn_rope_device", "softmax_offsets_device", "moe_dispatcher_device"}
+INSTALL = "pip install --no-deps megatron-bridge && pip install 'mcore-cpu-shim[bridge]'"
+# Where Bridge still writes this, it builds GPT-OSS with a 128-token window whatever the HF
+# config says (Megatron-Bridge 0.3.1, gpt_oss_bridge.py:94; main reads sliding_window).
+FIXED_WINDOW = "provider.window_size = (128, 0)"
+
+
+def demo(*options, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "mcore_cpu_shim", "demo", *options],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def run_demo(*options):
-    result = subprocess.run(
-        [sys.executable, "-m", "mcore_cpu_shim", "demo", "--json", *options],
-        capture_output=True,
-        text=True,
-        timeout=500,
-    )
+    result = demo("--json", *options)
     try:
         summary = json.loads(result.stdout)
     except json.JSONDecodeError:
@@ -33,8 +47,8 @@ def run_demo(*options):
     return result, summary
 
 
-def ok_flags(summary, label):
-    return [summary["passes"][label]["steps"][step]["ok"] for step in STEPS]
+def ok_flags(summary, label, steps=STEPS):
+    return [summary["passes"][label]["steps"][step]["ok"] for step in steps]
 
 
 def failures(summary, label):
@@ -46,7 +60,8 @@ def failures(summary, label):
 
 
 def assert_demo_passed(result, summary):
-    assert ok_flags(summary, "with shim") == [True] * len(STEPS), failures(summary, "with shim")
+    steps = summary["step_names"]
+    assert ok_flags(summary, "with shim", steps) == [True] * len(steps), failures(summary, "with shim")
     assert result.returncode == 0, result.stderr[-6000:]
     assert summary["passed"], summary["checks"]
     assert summary["tensors_compared"] > 0
@@ -55,14 +70,25 @@ def assert_demo_passed(result, summary):
     assert summary["cuda_initialized"] is False
     assert summary["driver_libraries"] == []
     # One progress line per step and pass, on stderr next to the JSON on stdout.
-    assert "[with shim] forward compare: ok" in result.stderr
+    assert f"[with shim] {steps[-1]}: ok" in result.stderr
 
 
 @pytest.mark.cuda_hidden
 def test_demo_round_trip_without_cuda():
-    result, summary = run_demo()
+    # Where Bridge is installed the demo converts through it (the tests below); the
+    # megatron-core-only round trip is its fallback and --megatron-only.
+    result, summary = run_demo(*(["--megatron-only"] if HAVE_BRIDGE else []))
 
+    assert summary["round_trip"] == "megatron-core only"
+    assert summary["step_names"] == STEPS
     assert_demo_passed(result, summary)
+    if not HAVE_BRIDGE:
+        # It says why it does not convert a Hugging Face model, and how to change that.
+        assert "Megatron-Bridge is not installed" in result.stderr and INSTALL in result.stderr
+        assert "running the megatron-core-only round trip instead" in result.stderr
+        assert INSTALL in summary["bridge_missing"]
+    else:
+        assert summary["bridge_missing"] is None
     without = summary["passes"]["without shim"]["steps"]
     if MODE == "shim":
         assert summary["delivery"] == {"without shim": "shim disabled", "with shim": "shim applied"}
@@ -78,6 +104,10 @@ def test_demo_round_trip_without_cuda():
         assert without[failed_at]["where"].startswith("megatron/core/"), without[failed_at]
         at = STEPS.index(failed_at)
         assert ok_flags(summary, "without shim") == [True] * at + [False] + [None] * (len(STEPS) - at - 1)
+    elif MODE == "bridge-patched":
+        # Bridge patched, megatron-core's fixes from the shim: without the shim megatron-core
+        # stops on its own CUDA spots as in shim mode.
+        assert summary["without_shim_failed_at"] in STEPS, failures(summary, "without shim")
     else:
         # Patched megatron-core: both passes run the same fixed code (the shim is disabled in
         # "patched" and stands down in "patched+shim"), so both pass, and the demo says so.
@@ -87,16 +117,144 @@ def test_demo_round_trip_without_cuda():
         assert ok_flags(summary, "without shim") == [True] * len(STEPS)
 
 
+LOGITS = re.compile(
+    r"max abs diff (\S+) (<=|>) 1e-4 x scale (\S+) \(max abs HF logit\) = (\S+); "
+    r"argmax equal at (\d+)/(\d+) positions"
+)
+
+
+def table_rows(stdout):
+    """{step: (without shim, with shim)} of the printed table."""
+    rows = {}
+    for line in stdout.splitlines():
+        for step in BRIDGE_STEPS:
+            if line.startswith(step + "  "):
+                rows[step] = tuple(re.split(r"\s{2,}", line[len(step):].strip())[:2])
+    return rows
+
+
+@needs_bridge()
+@pytest.mark.cuda_hidden
+@pytest.mark.skipif(MODE not in ("shim", "bridge-patched"), reason=f"mode {MODE}: no Megatron-Bridge leg")
+def test_bridge_demo_converts_a_tiny_gpt_oss_exactly():
+    """The default run, as a user sees it: the table, every tensor equal, the logits within the
+    bar, no CUDA; without the shim it stops where Bridge or megatron-core assumes CUDA."""
+    result = demo()
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr[-6000:]
+    assert out.rstrip().splitlines()[-1] == "PASS"
+
+    rows = table_rows(out)
+    assert list(rows) == BRIDGE_STEPS, out
+    assert all(rows[step][1] == "ok" for step in BRIDGE_STEPS), out
+    for step in BRIDGE_STEPS:
+        assert f"[with shim] {step}: ok (" in out
+    # Without the shim: it writes the model, then fails at a CUDA/TE assumption in megatron
+    # (Bridge's unconditional Transformer Engine import in shim mode), shown with where.
+    without = [rows[step][0] for step in BRIDGE_STEPS]
+    assert without[0] == "ok", out
+    failed = next(i for i, cell in enumerate(without) if cell != "ok")
+    assert without[failed] == "FAILED (1)" and set(without[failed + 1:]) <= {"not reached"}, out
+    note = out[out.index("\n(1) "):].splitlines()
+    assert note[2].startswith("    at megatron/"), out
+    if MODE == "shim":
+        assert "transformer_engine" in note[1], out
+        assert "shim disabled; TE import guard off" in out and "with shim: shim applied" in out
+
+    assert "model: GptOssForCausalLM (2 layers" in out and "YaRN RoPE, attention sinks" in out
+    compared = re.search(r"tensors compared: (\d+) \(HF -> torch_dist -> HF, names, dtypes and values\), "
+                         r"equal: (\d+)", out)
+    assert compared and compared[1] == compared[2] and int(compared[1]) > 30, out
+    logits = LOGITS.search(out)
+    assert logits, out
+    diff, within, scale, bar, same, positions = logits.groups()
+    assert within == "<=" and float(diff) <= float(bar) and float(bar) == pytest.approx(1e-4 * float(scale), rel=0.1)
+    assert same == positions == "64"  # 2 x 32 tokens
+    assert "CUDA initialised: no" in out and "driver libraries mapped: none" in out
+
+
+@needs_bridge()
+@pytest.mark.cuda_hidden
+@pytest.mark.skipif(MODE not in ("shim", "bridge-patched"), reason=f"mode {MODE}: no Megatron-Bridge leg")
+def test_bridge_demo_past_the_sliding_window():
+    """64 tokens, twice the tiny model's sliding window (32): the window layers now mask. Bridge
+    main converts the window (``sliding_window - 1``) and the logits agree; Bridge 0.3.1 builds
+    every GPT-OSS with window_size (128, 0), and the demo fails and says so (the tensors are
+    equal: the conversion of the weights is right, the model built from them is not)."""
+    result, summary = run_demo("--seq-len", "64", "--ranks", "1", "--ep", "1")
+    logits = summary["logits"] or summary["passes"]["with shim"]["steps"]["CPU logits HF vs megatron"]["facts"]
+    assert summary["tensors_equal"] == summary["tensors_compared"] > 0
+    assert summary["cuda_initialized"] is False
+    assert logits["tokens"] == [2, 64]
+    if FIXED_WINDOW not in megatron_source("megatron.bridge.models.gpt_oss.gpt_oss_bridge"):
+        assert_demo_passed(result, summary)
+        assert logits["max_abs_diff"] <= logits["bar"]
+        assert logits["megatron"]["window_size"] == [31, 0]
+    else:
+        assert result.returncode == 1
+        step = summary["passes"]["with shim"]["steps"]["CPU logits HF vs megatron"]
+        assert step["ok"] is False
+        assert summary["checks"]["logits within the bar"] is False
+        assert summary["checks"]["every tensor equal"] is True
+        assert "from position 32 on" in step["error"], step["error"]
+        assert "built window_size (128, 0) for the HF model's sliding_window 32" in step["error"]
+        assert logits["first_position_off"] == 32  # the first token whose window excludes one
+
+
+@needs_bridge()
+@pytest.mark.cuda_hidden
+@pytest.mark.skipif(MODE not in ("shim", "bridge-patched"), reason=f"mode {MODE}: no Megatron-Bridge leg")
+def test_bridge_demo_llama():
+    """Plain RoPE (rope_device): the tiny Llama converts exactly and its logits agree."""
+    result, summary = run_demo("--model", "llama", "--ranks", "1")
+    assert_demo_passed(result, summary)
+    assert summary["model"]["architecture"] == "LlamaForCausalLM" and summary["expert_parallel"] == 1
+    assert summary["logits"]["max_abs_diff"] <= summary["logits"]["bar"]
+
+
+@pytest.mark.cuda_hidden
+def test_parity_of_logits():
+    torch = pytest.importorskip("torch")
+    from mcore_cpu_shim._demo_bridge import parity
+
+    expected = torch.randn(2, 8, 10)
+    padded = torch.cat([expected, torch.zeros(2, 8, 6)], dim=-1)  # megatron pads the vocabulary
+    facts = parity(expected, padded)
+    assert facts["max_abs_diff"] == 0 and facts["argmax_equal"] == facts["positions"] == 16
+    assert facts["bar"] == pytest.approx(1e-4 * expected.abs().max().item())
+    assert facts["first_position_off"] is None
+
+    changed = padded.clone()
+    changed[1, 5, 3] += 10 * facts["bar"]  # over the bar, from position 5 on
+    facts = parity(expected, changed)
+    assert facts["max_abs_diff"] > facts["bar"] and facts["first_position_off"] == 5
+
+
+@pytest.mark.cuda_hidden
+def test_without_bridge_it_says_how_to_install_it(monkeypatch):
+    from mcore_cpu_shim import demo as command
+
+    monkeypatch.setitem(sys.modules, "megatron.bridge", None)  # find_spec: not installed
+    message = command.bridge_missing()
+    assert "Megatron-Bridge is not installed" in message and INSTALL in message
+
+
 @pytest.mark.cuda_hidden
 def test_bad_options_exit_2():
-    result = subprocess.run(
-        [sys.executable, "-m", "mcore_cpu_shim", "demo", "--ranks", "3", "--ep", "2"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 2
-    assert "--ranks 3 is not a multiple of --ep 2" in result.stderr
+    for options, message in [
+        (["--ranks", "3", "--ep", "2"], "--ranks 3 is not a multiple of --ep 2"),
+        (["--hidden", "60"], "an odd number: rotary embeddings turn pairs of channels"),
+        (["--megatron-only", "--model", "llama"], "leave out --megatron-only"),
+    ]:
+        result = demo(*options, timeout=60)
+        assert result.returncode == 2, options
+        assert message in result.stderr, result.stderr
+    if HAVE_BRIDGE:
+        result = demo("--model", "llama", "--ep", "2", timeout=60)
+        assert result.returncode == 2 and "--ep 2: llama has no experts" in result.stderr
+    else:
+        result = demo("--model", "llama", timeout=60)
+        assert result.returncode == 2 and INSTALL in result.stderr
 
 
 @pytest.mark.cuda_visible

@@ -5,9 +5,9 @@ from there. (How long the import takes is measured by benchmarks/bench_import.py
 import json
 
 import pytest
-from helpers import HAVE_BRIDGE, MODE, expected_state, megatron_source, run_python
+from helpers import HAVE_BRIDGE, MODE, expected_state, megatron_source, once_per_python, run_python
 
-pytestmark = pytest.mark.cuda_hidden
+pytestmark = [pytest.mark.cuda_hidden, once_per_python()]
 
 FS_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 PRELOAD = f"{FS_ASYNC}:FileSystemWriterAsync.preload_tensors"

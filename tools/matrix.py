@@ -26,6 +26,8 @@ python tools/matrix.py test [--drift VERSION]... VERSION... [-- PYTEST_ARGS]
     Bridge fixes switched off, megatron-core's from the shim; the Bridge unit tests the patches
     add run there too). They run the Bridge tests (tests/test_bridge_*.py and the drift checks
     over every target; in shim mode also the convert command, the demo and the engine state).
+    The tests that do not depend on the release (helpers.once_per_python) run in the first
+    shim leg of the list (and in the Bridge legs) only.
     Each mode runs two pytest sessions (CUDA legs; the cuda_visible one only where a fresh
     interpreter sees a CUDA device, else it is recorded as not run), each with MATRIX_WORKERS processes
     (pytest-xdist; default: the cores, at most 4).
@@ -234,12 +236,13 @@ def tree_env(*trees, **settings):
     return env
 
 
-def run_mode(version, mode, trees, pytest_args):
+def run_mode(version, mode, trees, pytest_args, once=False):
     """One delivery mode on ``trees`` (the megatron-core tree, with a Bridge tree before it in
-    a Bridge leg): both CUDA legs; returns (passed, fix states, per-leg counts)."""
+    a Bridge leg): both CUDA legs; returns (passed, fix states, per-leg counts). ``once``: this
+    run also has the release-independent tests (helpers.once_per_python)."""
     tree = trees[0]
     env = tree_env(*trees, MCORE_CPU_SHIM_MODE="shim" if mode == "drift" else mode,
-                   **MODE_ENV.get(mode, {}))
+                   MCORE_CPU_SHIM_ONCE_PER_PYTHON="1" if once else "0", **MODE_ENV.get(mode, {}))
     if mode == "bridge-patched":
         env["MCORE_CPU_SHIM_DISABLE"] = bridge_fix_names()  # Bridge's come from the patches
     if version in BRIDGE_LEGS:
@@ -324,7 +327,8 @@ def test(versions, pytest_args, drift=()):
                 record["modes"][mode] = "not run (a patch needs rebase)"
                 continue
             tree = patched if mode in ("patched", "patched+shim") else plain
-            ok, states, legs = run_mode(version, mode, [tree], pytest_args)
+            once = mode == "shim" and version == versions[0]  # the first leg of this Python
+            ok, states, legs = run_mode(version, mode, [tree], pytest_args, once)
             record["modes"][mode] = "passed" if ok else "FAILED"
             record["states"][mode] = states
             record["legs"][mode] = legs
@@ -355,7 +359,8 @@ def bridge_leg(leg, pytest_args):
             why = "patches/bridge are made against Bridge main" if patched is None else "a patch needs rebase"
             record["modes"][mode] = f"not run ({why})"
             continue
-        ok, states, legs = run_mode(leg, mode, [patched if mode == "bridge-patched" else plain, core], pytest_args)
+        trees = [patched if mode == "bridge-patched" else plain, core]
+        ok, states, legs = run_mode(leg, mode, trees, pytest_args, once=True)
         record["modes"][mode], record["states"][mode], record["legs"][mode] = ("passed" if ok else "FAILED"), states, legs
         if not ok:
             failed.append(f"{leg} {mode}")
