@@ -262,12 +262,14 @@ def configure(provider, spec, dtype):
     return provider
 
 
-def load_checkpoint(bridge, folder, spec):
+def load_checkpoint(bridge, folder, spec, **config):
     """A fresh model with the weights of the ``torch_dist`` checkpoint in ``folder``, the way
     ``AutoBridge.export_ckpt`` and any later reload get it: ``load_megatron_model`` rebuilds the
     model from the checkpoint's own ``run_config.yaml`` (on this Gloo group, CPU
-    initialisation), with this conversion's parallelism."""
-    overrides = {"tensor_model_parallel_size": spec["tp"], "expert_model_parallel_size": spec["ep"]}
+    initialisation), with this conversion's parallelism. ``config``: further values to set on
+    the config read from the checkpoint (``load_megatron_model`` sets every key of its
+    overrides that the config has; e.g. ``bf16=False`` for a float32 model)."""
+    overrides = {"tensor_model_parallel_size": spec["tp"], "expert_model_parallel_size": spec["ep"], **config}
     return bridge.load_megatron_model(folder, mp_overrides=overrides)
 
 
@@ -398,15 +400,18 @@ def end_with_parent(interval=2.0):
     threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
 
 
-def main(spec_path, rank):
+def main(spec_path, rank, run=None, phases_class=Phases):
+    """Run one rank: ``run(spec, rank, phases)`` (default: the conversion the spec's direction
+    names), its phases recorded by a ``phases_class`` (``mcore-cpu-shim demo`` passes its own
+    steps and a ``Phases`` that runs each phase under ``forbid_cuda()``), then the facts; exits."""
     end_with_parent()
     with open(spec_path) as f:
         spec = json.load(f)
-    phases = Phases(os.path.join(spec["events"], f"rank{rank}.jsonl"))
+    phases = phases_class(os.path.join(spec["events"], f"rank{rank}.jsonl"))
     facts = {}
     ok = False
     try:
-        (run_import if spec["direction"] == "import" else run_export)(spec, rank, phases)
+        (run or (run_import if spec["direction"] == "import" else run_export))(spec, rank, phases)
         if phases.current is not None:
             phases.end()
         ok = True

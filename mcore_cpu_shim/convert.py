@@ -306,9 +306,10 @@ def rank_environment(ranks, base=None):
     return env
 
 
-def start_ranks(spec, folder, command=None):
+def start_ranks(spec, folder, command=None, env=None):
     """Write the spec and start one process per rank, each in its own session (so that
-    killing it ends the helpers it started), output to ``rank<N>.log``."""
+    killing it ends the helpers it started), output to ``rank<N>.log``. ``env``: the
+    environment to start from (default: this process's)."""
     spec = dict(spec, events=folder, address="127.0.0.1", port=free_port())
     spec_path = os.path.join(folder, "spec.json")
     with open(spec_path, "w") as f:
@@ -316,7 +317,7 @@ def start_ranks(spec, folder, command=None):
     if command is None:
         def command(rank):
             return [sys.executable, "-m", f"{__package__}._convert_rank", spec_path, str(rank)]
-    env = rank_environment(spec["ranks"])
+    env = rank_environment(spec["ranks"], base=env)
     env["MASTER_PORT"] = str(spec["port"])
     processes = []
     try:
@@ -386,9 +387,10 @@ def _details(records):
     return ", ".join(parts)
 
 
-def supervise(processes, phases, folder, progress, grace=5.0):
+def supervise(processes, phases, folder, progress, grace=5.0, deadline=None):
     """Follow the ranks phase by phase until all ended, or one failed or died (then the others
-    get ``grace`` seconds to record their own error before all are killed). Returns
+    get ``grace`` seconds to record their own error before all are killed), or until
+    ``time.monotonic()`` passes ``deadline`` (if given; then all are killed). Returns
     ``{"phases": {name: summary}, "failure": {...} or None, "facts": done record of rank 0}``."""
     ranks = len(processes)
     summaries, died_at, failed_at = {}, {}, None
@@ -425,6 +427,8 @@ def supervise(processes, phases, folder, progress, grace=5.0):
                 failed_at = failed_at or now
                 if now - failed_at > grace:
                     break
+            if deadline is not None and now > deadline:
+                break
             time.sleep(0.2)
         every = follow()
     finally:
