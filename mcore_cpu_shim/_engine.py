@@ -990,7 +990,7 @@ def _imported_before(target: Target) -> Tuple[str, str]:
 def _settle_absent_modules(fixes: Tuple[Fix, ...]) -> None:
     """Targets still pending whose module is never going to be imported (no hook would ever
     run), decided now: in a project that is not installed (``not-applicable``), or, once the
-    project is imported, a module its tree does not have (``_absent``)."""
+    project (or megatron-core) is imported, a module its tree does not have (``_absent``)."""
     for fix in fixes:
         for target in fix.targets:
             if target.state != PENDING:
@@ -999,7 +999,8 @@ def _settle_absent_modules(fixes: Tuple[Fix, ...]) -> None:
             if module_file(package) is None:
                 name = target.project if package in ("megatron.core", "megatron.bridge") else package
                 target.state, target.detail = NOT_APPLICABLE, f"{name} is not installed"
-            elif package in sys.modules and module_file(target.module) is None:
+            elif module_file(target.module) is None and (package in sys.modules or "megatron.core" in sys.modules):
+                # (megatron.core imported: the tree is in use, e.g. its megatron/training lacks it)
                 target.state, target.detail = _absent(target, f"module {target.module}")
 
 
