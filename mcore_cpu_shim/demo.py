@@ -28,7 +28,6 @@ mapped; 1 otherwise; 2 for bad options. Nothing here imports torch: the ranks do
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -227,14 +226,11 @@ def run_pass(args, label, folder, extra_env, progress):
         time.sleep(0.2)
     report_finished_steps()  # what the ranks wrote between the last look and their exit
     hung = [rank for rank, p in enumerate(processes) if p.poll() is None]
-    for p in processes:
-        # The whole session of the rank: megatron-core's checkpoint writer starts a helper
-        # process that outlives a rank that ended abruptly.
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
+    # The whole session of each rank: megatron-core's checkpoint writer starts a helper
+    # process that outlives a rank that ended abruptly.
+    from .convert import stop  # (convert imports this module: here, not at the top)
+
+    stop(processes)
 
     events = [_read_events(os.path.join(folder, f"rank{r}.jsonl")) for r in range(args.ranks)]
     ranks = [next((e for e in rank_events if e.get("done")), None) for rank_events in events]
