@@ -539,6 +539,8 @@ def _decide(fix: Fix, target: Target, module: types.ModuleType) -> Tuple[str, st
             return APPLIED, "already applied"
         return APPLIED, f"applied by another copy: {marker['package']} {marker['version']}"
     if isinstance(owner, type) and name not in vars(owner):
+        if INHERITED not in target.known_buggy:  # as classify_source decides it from source
+            return _absent(target, target.qualname)
         tree = None
     else:
         try:

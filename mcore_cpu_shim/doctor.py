@@ -292,6 +292,15 @@ def render(report):
 
 
 def run_doctor(args):
-    report = collect()
-    print(json.dumps(report, indent=2) if args.json else render(report))
+    if args.json:
+        # Only the report on stdout: what the imports print or log there (Megatron-Bridge main
+        # sets up logging to stdout) goes to stderr.
+        import contextlib
+
+        with contextlib.redirect_stdout(sys.stderr):
+            report = collect()
+        print(json.dumps(report, indent=2))
+    else:
+        report = collect()
+        print(render(report))
     return 1 if report["problems"] else 0
