@@ -139,7 +139,7 @@ FIX = Fix(
         Target(
             module="megatron.training.config.container",
             qualname="ConfigContainerBase._convert_value_to_dict",
-            known_buggy={"cd5ff91ad4a59d27": "the Megatron-Bridge main pin 2a75ac12 (2026-08-13)"},
+            known_buggy={"cd5ff91ad4a59d27": "2a75ac12, the commit Megatron-Bridge main pins (2026-08-13)"},
             bug=("def _convert_value_to_dict(",),
             fixed_by=(WRITTEN_BACK,),
             absent_in="megatron trees without megatron.training.config (releases, Bridge 0.3/0.4 pins)",
