@@ -177,6 +177,23 @@ def run_bridge(code, *args, **env):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+IMPORT_CKPT = """
+import sys
+import mcore_cpu_shim
+from megatron.bridge import AutoBridge
+AutoBridge.import_ckpt(sys.argv[1], sys.argv[2])
+print("{}")
+"""
+
+
+def bridge_checkpoint(family, folder):
+    """``AutoBridge.import_ckpt`` of the tiny ``family`` model into ``folder`` (a child
+    interpreter); the checkpoint's iteration folder (what ``load_model_config`` reads)."""
+    run_bridge(IMPORT_CKPT, hf_model(family), str(folder))
+    (iteration,) = [d for d in os.listdir(folder) if d.startswith("iter_")]
+    return os.path.join(folder, iteration)
+
+
 def hf_model(family):
     """A tiny HF model of ``family`` (mcore_cpu_shim.hf_models), written once per test session
     (all workers share it; never modified by a test): its folder."""

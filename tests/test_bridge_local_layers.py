@@ -1,11 +1,8 @@
 """bridge_local_layers: without a usable Transformer Engine a Bridge provider builds local layers
 with the TE-only fusions off, and the checkpoint still describes the TE model a GPU builds."""
 
-import json
-import os
-
 import pytest
-from helpers import expected_state, hf_model, needs_bridge, run_bridge, run_without_fix
+from helpers import bridge_checkpoint, expected_state, hf_model, needs_bridge, run_bridge, run_without_fix
 
 pytestmark = [pytest.mark.cuda_hidden, needs_bridge()]
 
@@ -46,13 +43,6 @@ flags = {f: getattr(provider, f) for f in ("persist_layer_norm", "apply_rope_fus
 print(json.dumps({"spec": provider.transformer_layer_spec(provider), "flags": flags, "asked": len(asked)}))
 """
 
-IMPORT = """
-import sys
-import mcore_cpu_shim
-from megatron.bridge import AutoBridge
-AutoBridge.import_ckpt(sys.argv[1], sys.argv[2])
-print("{}")
-"""
 
 
 @pytest.mark.parametrize("family, switched", [("llama", ("persist_layer_norm", "apply_rope_fusion")),
@@ -67,12 +57,11 @@ def test_cpu_provider_builds_local_layers(family, switched):
 
 
 def test_checkpoint_rebuilds_the_te_model_on_a_gpu(tmp_path):
-    run_bridge(IMPORT, hf_model("llama"), str(tmp_path / "megatron"))
-    (iteration,) = [d for d in os.listdir(tmp_path / "megatron") if d.startswith("iter_")]
+    checkpoint = bridge_checkpoint("llama", tmp_path / "megatron")
     fake_te = tmp_path / "te"
     (fake_te / "transformer_engine").mkdir(parents=True)
     (fake_te / "transformer_engine" / "__init__.py").write_text("")
-    report = run_bridge(GPU_SIDE, str(tmp_path / "megatron" / iteration), str(fake_te), MCORE_CPU_SHIM_TE="off")
+    report = run_bridge(GPU_SIDE, checkpoint, str(fake_te), MCORE_CPU_SHIM_TE="off")
     assert report == {"spec": "TE spec", "flags": {"persist_layer_norm": True, "apply_rope_fusion": True},
                       "asked": 1}
 

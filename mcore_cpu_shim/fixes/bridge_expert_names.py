@@ -21,6 +21,8 @@ the global number ``experts per rank * EP rank + N``, as the original gives TE's
 come out as before, so a GPU conversion is unchanged.
 """
 
+import sys
+
 from .._engine import Fix, Target, occurs, rewriting, takes
 
 READ = "int(self.megatron_param.split(key)[-1])"
@@ -36,7 +38,7 @@ def expert_number(name: str, key: str) -> int:
 
 
 _rewrite = rewriting(
-    __import__(__name__, fromlist=["expert_number"]),
+    sys.modules[__name__],
     {READ: "_mcore_cpu_shim.expert_number(self.megatron_param, key)"},
 )
 

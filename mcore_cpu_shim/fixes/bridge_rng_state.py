@@ -13,6 +13,8 @@ a checkpoint written with ``save_rng=True`` on a CPU host says ``None`` where th
 and resuming from it on a GPU needs ``--no-load-rng`` (as for any checkpoint without RNG state).
 """
 
+import sys
+
 from .._engine import Fix, Target, cuda_attributes, occurs, rewriting
 
 READ = "torch.cuda.get_rng_state()"
@@ -26,7 +28,7 @@ def cuda_rng_state():
 
 
 _rewrite = rewriting(
-    __import__(__name__, fromlist=["cuda_rng_state"]), {READ: "_mcore_cpu_shim.cuda_rng_state()"}
+    sys.modules[__name__], {READ: "_mcore_cpu_shim.cuda_rng_state()"}
 )
 
 FIX = Fix(
