@@ -10,7 +10,9 @@ driver). For each install, in turn, into this interpreter's environment:
 it removes the previous TE, installs the new one with ``--no-deps`` (TE's pure-Python
 dependencies are installed once, with torch pinned to the installed version, so pip never
 replaces torch), and runs tests/test_te_real.py with CUDA hidden on megatron-core 0.19.2
-(tools/matrix.py's overlay), then ``doctor --json`` for the summary line.
+(tools/matrix.py's overlay), then ``doctor --json`` for the summary line. At the end TE is
+uninstalled again: plain ``tox`` runs this leg last in the py312 environment, whose release
+legs must find no TE on the next run.
 
 PyPI serves the torch extension only as an sdist that compiles for 15-25 minutes here, so the
 prebuilt wheels in ../shared/wheels stand in for it; where that folder or a wheel is missing
@@ -94,30 +96,41 @@ def main(pytest_args):
             f.write(f"torch=={importlib.metadata.version('torch')}\n")
         pip("install", "--quiet", "-c", pin, *TE_DEPENDENCIES)
         env = tree_env(tree, CUDA_VISIBLE_DEVICES="")
-        summary, failed = [], []
-        for label, version, complete in INSTALLS:
-            print(f"\n===== Transformer Engine {label} (megatron-core {MCORE}, torch "
-                  f"{importlib.metadata.version('torch')}, CUDA hidden) =====", flush=True)
-            distributions = install(version, complete, pin)
-            if distributions.get("transformer-engine") != version or complete != ("transformer-engine-torch" in distributions):
-                raise SystemExit(f"te leg: installing {label} gave {distributions}")
-            junit = RESULTS / f"te-{label.replace(' ', '-')}.xml"
-            junit.unlink(missing_ok=True)
-            command = [sys.executable, "-m", "pytest", "-n", os.environ.get("MATRIX_WORKERS", "2"),
-                       "-m", "cuda_hidden", "-p", "no:cacheprovider", f"--junitxml={junit}",
-                       "tests/test_te_real.py", *pytest_args]
-            code = subprocess.run(command, env=env, cwd=ROOT).returncode
-            counts = leg_counts(junit)
-            doctor_code, doctor_line = doctor(env)
-            if code != 0:
-                failed.append(label)
-            summary.append(f"{label}: {', '.join(f'{k} {v}' for k, v in distributions.items())}\n"
-                           f"    tests (passed/skipped/failed): {counts}{'' if code == 0 else ' FAILED'}\n"
-                           f"    doctor (exit {doctor_code}): Transformer Engine  {doctor_line}")
+        try:
+            summary, failed = run_installs(pin, env, pytest_args)
+        finally:
+            leftover = list(installed())
+            if leftover:
+                pip("uninstall", "--quiet", "--yes", *leftover)
     print("\nte leg summary (megatron-core " + MCORE + ", CUDA hidden):")
     print("\n".join(summary))
     print("te leg: " + (f"FAILED: {', '.join(failed)}" if failed else "all installs passed"))
     return 1 if failed else 0
+
+
+def run_installs(pin, env, pytest_args):
+    """Each install in turn: its tests and doctor's line; (summary lines, failed labels)."""
+    summary, failed = [], []
+    for label, version, complete in INSTALLS:
+        print(f"\n===== Transformer Engine {label} (megatron-core {MCORE}, torch "
+              f"{importlib.metadata.version('torch')}, CUDA hidden) =====", flush=True)
+        distributions = install(version, complete, pin)
+        if distributions.get("transformer-engine") != version or complete != ("transformer-engine-torch" in distributions):
+            raise SystemExit(f"te leg: installing {label} gave {distributions}")
+        junit = RESULTS / f"te-{label.replace(' ', '-')}.xml"
+        junit.unlink(missing_ok=True)
+        command = [sys.executable, "-m", "pytest", "-n", os.environ.get("MATRIX_WORKERS", "2"),
+                   "-m", "cuda_hidden", "-p", "no:cacheprovider", f"--junitxml={junit}",
+                   "tests/test_te_real.py", *pytest_args]
+        code = subprocess.run(command, env=env, cwd=ROOT).returncode
+        counts = leg_counts(junit)
+        doctor_code, doctor_line = doctor(env)
+        if code != 0:
+            failed.append(label)
+        summary.append(f"{label}: {', '.join(f'{k} {v}' for k, v in distributions.items())}\n"
+                       f"    tests (passed/skipped/failed): {counts}{'' if code == 0 else ' FAILED'}\n"
+                       f"    doctor (exit {doctor_code}): Transformer Engine  {doctor_line}")
+    return summary, failed
 
 
 if __name__ == "__main__":
