@@ -31,7 +31,6 @@ from . import _convert_rank
 from ._convert_rank import PHASES as CONVERT_PHASES
 from ._convert_rank import Phases, VerifyMismatch
 
-FAMILIES = ("gpt-oss", "llama")
 STEPS = (
     "write HF model",
     "import (HF -> torch_dist)",
@@ -73,8 +72,8 @@ CONFIG_FIELDS = {
     "hidden": "hidden_size",
     "heads": "num_attention_heads",
     "query_groups": "num_key_value_heads",
-    "ffn": "intermediate_size",
-    "experts": "num_local_experts",
+    "ffn": "intermediate_size",  # a MoE family's: its expert FFN (hf_models.EXPERT_FIELDS)
+    "experts": None,  # hf_models.EXPERT_FIELDS
     "topk": "num_experts_per_tok",
     "vocab": "vocab_size",
 }
@@ -85,7 +84,12 @@ CONFIG_FIELDS = {
 
 def overrides(args):
     """The config fields of the tiny model that the demo's size options change."""
-    fields = {CONFIG_FIELDS[k]: getattr(args, k) for k in CONFIG_FIELDS if getattr(args, k) is not None}
+    from .hf_models import EXPERT_FIELDS
+
+    names = dict(CONFIG_FIELDS)
+    if args.model in EXPERT_FIELDS:
+        names["experts"], names["ffn"] = EXPERT_FIELDS[args.model]
+    fields = {names[k]: getattr(args, k) for k in names if getattr(args, k) is not None}
     if args.hidden is not None or args.heads is not None:
         fields["head_dim"] = (args.hidden or 64) // (args.heads or 4)
     return fields

@@ -34,6 +34,7 @@ import tempfile
 import time
 
 from ._demo_rank import STEPS
+from .hf_models import EXPERT_FIELDS, FAMILIES
 
 PASSES = (("without shim", "without-shim"), ("with shim", "with-shim"))
 # The pass without the shim: no fix and no Transformer Engine guard.
@@ -56,7 +57,7 @@ def add_parser(subparsers):
         "else a megatron-core round trip), without and with the shim",
         description=__doc__.split("\n\n")[1].replace("\n", " "),
     )
-    p.add_argument("--model", choices=("gpt-oss", "llama"), default="gpt-oss",
+    p.add_argument("--model", choices=FAMILIES, default="gpt-oss",
                    help="the Hugging Face model of the Megatron-Bridge round trip (default gpt-oss)")
     p.add_argument("--megatron-only", action="store_true",
                    help="run the megatron-core-only round trip even where Megatron-Bridge is installed")
@@ -76,7 +77,7 @@ def add_parser(subparsers):
     p.add_argument("--ranks", type=_positive, default=2,
                    help="Gloo ranks (default 2; Bridge: of the import, the export and logits run on one)")
     p.add_argument("--ep", type=_positive,
-                   help="expert parallelism (default 2; Bridge: of the import, 1 for llama)")
+                   help="expert parallelism (default 2; Bridge: of the import, 1 for a dense model)")
     p.add_argument("--output-dir", help="where to write (default: a temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints and rank logs")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
@@ -113,14 +114,15 @@ def _resolve(args, bridge):
     """Fill in the defaults of the round trip that runs, and check the options (exit 2)."""
     if args.megatron_only and args.model != "gpt-oss":
         args.parser.error(f"--model {args.model} converts through Megatron-Bridge: leave out --megatron-only")
+    dense = bridge and args.model not in EXPERT_FIELDS
     if args.ep is None:
-        args.ep = 1 if bridge and args.model == "llama" else 2
-    if bridge and args.model == "llama":
+        args.ep = 1 if dense else 2
+    if dense:
         given = [f"--{k}" for k in ("experts", "topk") if getattr(args, k) is not None]
         if args.ep > 1:
             given.append(f"--ep {args.ep}")
         if given:
-            args.parser.error(f"{' and '.join(given)}: llama has no experts")
+            args.parser.error(f"{' and '.join(given)}: {args.model} has no experts")
     if not bridge:
         for key, value in MEGATRON_DEFAULTS.items():
             if getattr(args, key) is None:
@@ -128,7 +130,7 @@ def _resolve(args, bridge):
     # The values the checks see: the Bridge model's defaults where an option was not given.
     values = {k: getattr(args, k) if getattr(args, k) is not None else HF_DEFAULTS[k] for k in HF_DEFAULTS}
     values.update(ranks=args.ranks, ep=args.ep)
-    _check(args.parser, values, experts=not (bridge and args.model == "llama"))
+    _check(args.parser, values, experts=not dense)
 
 
 def _check(parser, values, experts=True):

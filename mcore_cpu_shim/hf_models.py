@@ -4,16 +4,29 @@ The one builder behind ``mcore-cpu-shim demo``, the Megatron-Bridge tests and th
 benchmark: ``write(family, folder)`` saves a model (``config.json`` and safetensors shards) that
 Megatron-Bridge converts like the real thing, small enough for a test on two CPU cores.
 
-Families: ``llama`` (dense, plain RoPE) and ``gpt-oss`` (YaRN, learnable softmax offsets,
-sliding-window layers, 4 experts with 2 per token). ``overrides`` change any config field
-(e.g. a larger ``hidden_size`` for the benchmark).
+Families (what each exercises on the megatron side):
+  llama        dense, plain RoPE, GQA
+  qwen2        as llama, with biases on the q/k/v projections
+  qwen3        as llama, with q/k layer norms
+  qwen3-moe    qwen3 attention, 4 experts with 2 per token (no shared expert)
+  gpt-oss      YaRN, learnable softmax offsets, sliding-window layers, 4 experts top-2
+  deepseek-v3  MLA with YaRN, a dense first layer, then 4 routed experts (sigmoid scores with an
+               expert bias, grouped top-2) and a shared expert
+``overrides`` change any config field (e.g. a larger ``hidden_size`` for the benchmark).
 """
 
 from __future__ import annotations
 
 import os
 
-FAMILIES = ("llama", "gpt-oss")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3-moe", "gpt-oss", "deepseek-v3")
+# The config fields of the routed experts' count and FFN size, by MoE family (the others are
+# dense: ``intermediate_size`` is their FFN).
+EXPERT_FIELDS = {
+    "qwen3-moe": ("num_experts", "moe_intermediate_size"),
+    "gpt-oss": ("num_local_experts", "intermediate_size"),
+    "deepseek-v3": ("n_routed_experts", "moe_intermediate_size"),
+}
 
 # Shared by every family: small, but every dimension a real model has (GQA, two layers so
 # that per-layer mappings and GPT-OSS's alternating window layers are both exercised).
@@ -36,6 +49,42 @@ def config(family: str, **overrides):
     if family == "llama":
         fields = dict(_COMMON, intermediate_size=128, rms_norm_eps=1e-5)
         cls = transformers.LlamaConfig
+    elif family in ("qwen2", "qwen3"):
+        fields = dict(_COMMON, intermediate_size=128, rms_norm_eps=1e-6)
+        cls = transformers.Qwen2Config if family == "qwen2" else transformers.Qwen3Config
+    elif family == "qwen3-moe":
+        fields = dict(_COMMON, intermediate_size=128, moe_intermediate_size=64, num_experts=4,
+                      num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=1e-6)
+        cls = transformers.Qwen3MoeConfig
+    elif family == "deepseek-v3":
+        fields = dict(
+            _COMMON,
+            num_key_value_heads=4,  # MLA: one latent for every head
+            intermediate_size=128,  # the dense first layer
+            moe_intermediate_size=64,
+            first_k_dense_replace=1,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            # in the released config.json, not among DeepseekV3Config's own fields; converters
+            # read them (Bridge: scoring_func -> moe_router_score_function)
+            scoring_func="sigmoid",
+            topk_method="noaux_tc",
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            # YaRN as the released model's config has it (factor 40 over 4096 positions)
+            max_position_embeddings=163840,
+            rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096,
+                              beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        )
+        fields.pop("head_dim")
+        cls = transformers.DeepseekV3Config
     elif family == "gpt-oss":
         fields = dict(
             _COMMON,
@@ -69,6 +118,10 @@ def write(family: str, folder, dtype: str = "bfloat16", seed: int = 0, **overrid
                 # so that a mapping that drops or swaps a tensor shows in an exact comparison.
                 tensor.copy_(torch.randn_like(tensor) * 0.05)
     model = model.to(getattr(torch, dtype))
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            # float32 in the released DeepSeek-V3 checkpoint (and in Megatron's router)
+            buffer.data = buffer.data.float()
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer(cfg.vocab_size).save_pretrained(folder)

@@ -56,6 +56,33 @@ def test_cpu_provider_builds_local_layers(family, switched):
     assert report["state"] == expected_state(FIX)
 
 
+# DeepSeek-V3's bridge also sets two flags that need CUDA itself (not TE): the shared expert on a
+# CUDA side stream, and the weight-gradient accumulation of APEX's/TE's CUDA extension.
+CUDA_ONLY = ("moe_shared_expert_overlap", "gradient_accumulation_fusion")
+CUDA_ONLY_FINALIZE = """
+import json, sys
+import mcore_cpu_shim
+with mcore_cpu_shim.forbid_cuda() as touched:
+    from megatron.bridge import AutoBridge
+    from megatron.bridge.training.utils.config_utils import _ConfigContainerBase
+    provider = AutoBridge.from_hf_pretrained(sys.argv[1]).to_megatron_provider(load_weights=False)
+    flags = %r
+    before = {f: getattr(provider, f) for f in flags}
+    provider.finalize()
+    after = {f: getattr(provider, f) for f in flags}
+    written = _ConfigContainerBase._convert_value_to_dict(provider)
+print(json.dumps({"touched": touched, "before": before, "after": after,
+                  "written": {f: written[f] for f in flags}}))
+""" % (CUDA_ONLY,)
+
+
+def test_cuda_only_flags_off_where_cuda_is_unavailable():
+    """DeepSeek-V3: built with both flags off on this host; run_config.yaml keeps them on."""
+    report = run_bridge(CUDA_ONLY_FINALIZE, hf_model("deepseek-v3"))
+    on, off = dict.fromkeys(CUDA_ONLY, True), dict.fromkeys(CUDA_ONLY, False)
+    assert report == {"touched": [], "before": on, "after": off, "written": on}
+
+
 def test_checkpoint_rebuilds_the_te_model_on_a_gpu(tmp_path):
     checkpoint = bridge_checkpoint("llama", tmp_path / "megatron")
     fake_te = tmp_path / "te"

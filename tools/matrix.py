@@ -259,8 +259,9 @@ def run_mode(version, mode, trees, pytest_args, once=False):
         # What the drift forms must do alike: every fix's own tests, the engine's, and the
         # end-to-end runs (forward, multi-rank save, demo); the rest does not depend on them.
         fix_tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*_device.py"))
-        paths = fix_tests + ["tests/test_local_moe_norm_keys.py", "tests/test_engine.py",
-                             "tests/test_cpu_forward.py", "tests/test_multirank.py", "tests/test_demo.py"]
+        paths = fix_tests + ["tests/test_local_moe_norm_keys.py", "tests/test_mla_cpu_build.py",
+                             "tests/test_engine.py", "tests/test_cpu_forward.py", "tests/test_multirank.py",
+                             "tests/test_demo.py"]
     else:
         paths = ["tests"]
     unit_tests = tree.parent / "tests" / "unit_tests" if mode == "bridge-patched" else tree / "tests" / "unit_tests"
@@ -403,7 +404,36 @@ def report():
     table("Tests per mode and CUDA leg (passed/skipped/failed; skipped = cannot run on this host or mode):",
           ["mode", "leg"] + releases,
           [[m, leg] + [r.get("legs", {}).get(m, {}).get(leg, "-") for r in runs] for m, leg in legs])
+    families = family_cells([r["mcore"] for r in runs if r["mcore"] in BRIDGE_LEGS])
+    if families:
+        names = sorted({name for name, _ in families})
+        bridge_legs = sorted({leg for _, leg in families})
+        table("Model families through Megatron-Bridge (mode shim; tests/test_demo.py::test_bridge_family):",
+              ["family"] + bridge_legs, [[n] + [families.get((n, leg), "-") for leg in bridge_legs] for n in names])
     return 0
+
+
+def family_cells(bridge_legs):
+    """{(family, Bridge leg): what its test_bridge_family case recorded, or why it did not run}."""
+    cells = {}
+    for leg in bridge_legs:
+        junit = RESULTS / f"{leg}-shim-cuda_hidden.xml"
+        if not junit.is_file():
+            continue
+        for case in ElementTree.parse(junit).getroot().iter("testcase"):
+            name = case.get("name", "")
+            if not name.startswith("test_bridge_family["):
+                continue
+            family = name[len("test_bridge_family["):-1]
+            recorded = case.find("properties/property[@name='family']")
+            skipped = case.find("skipped")
+            if recorded is not None:
+                cells[(family, leg)] = recorded.get("value")
+            elif skipped is not None:
+                cells[(family, leg)] = f"skipped: {skipped.get('message', '')}"
+            else:
+                cells[(family, leg)] = "failed"
+    return cells
 
 
 if __name__ == "__main__":

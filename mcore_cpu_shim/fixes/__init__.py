@@ -6,9 +6,11 @@ from . import (
     gdp_probe_device,
     local_moe_norm_keys,
     moe_dispatcher_device,
+    mla_cpu_build,
     moe_forward_device,
     rng_tracker_device,
     rope_device,
+    router_buffers_device,
     softmax_offsets_device,
     yarn_rope_device,
 )
@@ -24,6 +26,8 @@ FIXES = (
     gdp_probe_device.FIX,
     rng_tracker_device.FIX,
     rope_device.FIX,
+    router_buffers_device.FIX,
+    mla_cpu_build.FIX,
 )
 
 from . import (  # noqa: E402

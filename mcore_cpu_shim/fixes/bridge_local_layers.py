@@ -18,7 +18,10 @@ Fix, only where TE is unusable (no usable CUDA device, or no importable ``transf
 - ``finalize()`` switches the TE-only flags off before megatron-core's checks run, with one
   warning per flag and process saying so (the values these flags select are the same math:
   fused and unfused RoPE, permutation and per-expert GEMMs give the same result up to floating
-  point order, and conversion copies weights without running them);
+  point order, and conversion copies weights without running them); where CUDA is
+  unavailable it also switches off ``moe_shared_expert_overlap`` (DeepSeek-V2/V3: the shared
+  expert on a CUDA side stream, which megatron-core's ``SharedExpertMLP`` makes in its
+  constructor; without the overlap the shared expert runs in line, the same computation);
 - the values the CPU run changed are kept on the provider and written to ``run_config.yaml``
   as they were: the checkpoint says ``transformer_layer_spec: default_layer_spec`` and the
   fusions on, so the GPU side (``load_megatron_model``, training) builds the TE model it would
@@ -36,6 +39,12 @@ logger = logging.getLogger("mcore_cpu_shim")
 # TransformerConfig flags that select code only Transformer Engine provides (or, for grouped
 # GEMM, TE or the CUDA-only grouped_gemm package).
 TE_ONLY = ("persist_layer_norm", "apply_rope_fusion", "moe_grouped_gemm", "moe_permute_fusion")
+# Flags that select CUDA-only code, set by DeepSeek-V2/V3's bridges: the shared expert overlapped
+# with the token dispatch on a CUDA side stream (megatron-core's SharedExpertMLP makes the stream
+# in its constructor), and the weight-gradient accumulation fused in APEX's (or TE's) CUDA
+# extension (megatron-core's linear layers refuse to build without it). Off only where CUDA is
+# unavailable.
+CUDA_ONLY = ("moe_shared_expert_overlap", "gradient_accumulation_fusion")
 # Where a provider keeps the values the CPU run changed (not a dataclass field: never copied
 # into megatron-core's own config handling, skipped by Bridge's serialisation).
 KEPT = "_mcore_cpu_shim_kept"
@@ -63,23 +72,34 @@ def _layer_spec(original, module):
 
 
 def _finalize(original, module):
+    import torch
+
     def finalize(self, *args, **kwargs):
         if not te_usable():
-            kept = self.__dict__.setdefault(KEPT, {})
-            for flag in TE_ONLY:
-                if getattr(self, flag, False):
-                    kept.setdefault(flag, getattr(self, flag))
-                    setattr(self, flag, False)
-                    if flag not in _told:
-                        _told.add(flag)
-                        logger.warning(
-                            "mcore_cpu_shim: %s=True needs Transformer Engine, which is unusable "
-                            "here: off for this run (the checkpoint's run_config.yaml keeps True)",
-                            flag,
-                        )
+            _switch_off(self, TE_ONLY, "Transformer Engine")
+        if not torch.cuda.is_available():
+            _switch_off(self, CUDA_ONLY, "CUDA")
         return original(self, *args, **kwargs)
 
     return finalize
+
+
+def _switch_off(provider, flags, needs):
+    """Switch ``flags`` off on ``provider``, keeping their values for run_config.yaml; one
+    warning per flag and process."""
+    kept = provider.__dict__.setdefault(KEPT, {})
+    for flag in flags:
+        if getattr(provider, flag, False):
+            kept.setdefault(flag, getattr(provider, flag))
+            setattr(provider, flag, False)
+            if flag not in _told:
+                _told.add(flag)
+                logger.warning(
+                    "mcore_cpu_shim: %s=True needs %s, which is unusable here: off for this run "
+                    "(the checkpoint's run_config.yaml keeps True)",
+                    flag,
+                    needs,
+                )
 
 
 def _to_dict(original, module):
