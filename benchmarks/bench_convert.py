@@ -1,0 +1,478 @@
+"""Benchmark (not a test): what ``mcore-cpu-shim convert import`` costs, against the floor.
+
+The conversion users run: a Llama-like Hugging Face model folder (random bfloat16 weights in
+safetensors shards, written locally by ``mcore_cpu_shim.hf_models``) converted to a Megatron
+``torch_dist`` checkpoint with ``--verify``, by the ranks of ``mcore-cpu-shim convert``
+(``convert.check``, ``start_ranks``, ``supervise``; Megatron-Bridge's public API in a fresh
+process with CUDA hidden, the shim active). Per phase, the wall time and the peak RSS:
+
+  start + imports   process start, the shim, torch, megatron-core, Megatron-Bridge, transformers,
+                    and Bridge's checkpointing module (with NVIDIA ModelOpt), which the first
+                    save_megatron_model would otherwise import
+  load HF           AutoBridge.from_hf_pretrained (config, lazy safetensors index), Gloo group
+  build model       the provider, model-parallel state, the megatron model (CPU initialisation)
+  copy weights      Bridge's hook: every HF tensor read, mapped (QKV / gate-up fused) and copied
+  save              save_megatron_model (torch_dist, low_memory_save)
+  reload + verify   load_megatron_model into a fresh model, export_hf_weights, exact comparison
+
+Side by side, in the same run, the floor: a fresh process (same environment) that reads the
+same safetensors (``safetensors.torch.load_file``: the files are mapped, so the reading shows
+in the write, which touches every page, as Bridge's reads do), writes them once with
+``torch.save`` and once (another process) with ``safetensors.torch.save_file``, then fsyncs
+the file (megatron-core's writer fsyncs what it writes; the fsync is a row of its own).
+Repetitions alternate (convert, torch.save, save_file, convert, ...) so that drift on a shared
+machine hits all three; medians are reported. The ratios:
+
+  time   conversion / floor: end to end (process start to the end of save, i.e. without
+         verify; the floor's start to its fsync), and the work alone (load HF .. save against
+         read + write + fsync)
+  memory peak RSS / model bytes (the safetensors data), for the conversion and the floors
+
+Peak RSS per phase: the process's own high-water mark (``VmHWM``, exact: reset at every phase
+start through ``/proc/self/clear_refs``; sampled where that is not allowed) plus the peak of
+its children's private memory (megatron-core's checkpoint writer: a spawned queue manager and
+forked writer processes; sampled every 0.25 s; private pages only, as a forked child's RSS
+counts the pages it shares with the rank again): an upper bound of the two at the same time.
+Both include the interpreter with its libraries (the "start + imports" row shows how much).
+The model files are in the page cache for every side (just written, or read by the last run).
+
+    python benchmarks/bench_convert.py --size tiny                # smoke run, seconds
+    python benchmarks/bench_convert.py --size 1B --reps 3
+    python benchmarks/bench_convert.py --size 0.5B --json         # JSON alone on stdout
+    python benchmarks/bench_convert.py --hf ~/models/SomeLlama    # a model folder you have
+
+Run it where ``mcore-cpu-shim convert`` runs (Megatron-Bridge, megatron-core, torch,
+transformers, safetensors and psutil importable), e.g. ``PYTHONPATH=.:.mcore/bridge-0.3.1:.mcore/0.16.1``.
+Memory: the conversion peaks at about 0.7 GB + 1.5 x the model bytes (in verify; see
+docs/benchmark.md); writing the model folder first takes 4 bytes a parameter (float32) plus
+the interpreter (``--hf`` skips it). Disk: the model folder and one checkpoint.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+# First, before torch (a measured process imports torch later): the shim is active from here on.
+from mcore_cpu_shim._convert_rank import Phases  # noqa: E402
+
+# Llama-like shapes (hf_models' "llama" family with these overrides), untied embeddings and a
+# 32000-word vocabulary throughout: 0.5B of our own, 1B as TinyLlama-1.1B, 3B as Llama-3.2-3B.
+SIZES = {
+    "tiny": {},  # hf_models' own tiny llama
+    "0.5B": dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=12,
+                 num_key_value_heads=4, head_dim=128, vocab_size=32000),
+    "1B": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+               num_key_value_heads=4, head_dim=64, vocab_size=32000),
+    "3B": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               num_key_value_heads=8, head_dim=128, vocab_size=32000),
+}
+CONVERT_ROWS = (("imports", "start + imports"), ("load HF", "load HF"), ("build model", "build model"),
+                ("copy weights", "copy weights"), ("save", "save"), ("verify", "reload + verify"))
+FLOOR_ROWS = (("imports", "start + imports"), ("read", "read safetensors"), ("write", "write"), ("fsync", "fsync"))
+FLOORS = {"torch": "torch.save", "safetensors": "safetensors save_file"}
+FIGURES = ("seconds", "peak", "rss_peak", "children_peak", "rss_end")  # per phase (bytes, but seconds)
+WORK = ("load HF", "build model", "copy weights", "save")  # the conversion without imports and verify
+
+
+def parameter_count(config):
+    """The parameters of a Llama ``config`` (a transformers config), by its shapes."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    attention = 2 * h * config.num_attention_heads * head_dim + 2 * h * config.num_key_value_heads * head_dim
+    layer = attention + 3 * h * config.intermediate_size + 2 * h  # q, k, v, o; gate, up, down; 2 norms
+    embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
+    return embeddings + layers * layer + h
+
+
+# ---------------------------------------------------------------- in the measured processes
+
+
+def _status_bytes(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def _reset_high_water_mark():
+    """Reset this process's VmHWM to its current RSS (Linux, ``clear_refs`` 5); False where
+    that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_bytes("VmHWM") is not None
+    except OSError:
+        return False
+
+
+def _private_bytes(process):
+    """The memory only ``process`` (a psutil.Process) holds: its private pages (USS). A forked
+    child shares the pages of its parent until it writes them; its RSS counts them again."""
+    try:
+        total = 0
+        with open(f"/proc/{process.pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith(("Private_Clean:", "Private_Dirty:", "Private_Hugetlb:")):
+                    total += int(line.split()[1]) * 1024
+        return total
+    except FileNotFoundError:
+        return process.memory_info().rss
+    except OSError:  # gone, or not allowed
+        return 0
+
+
+class MeasuredPhases(Phases):
+    """``_convert_rank.Phases`` whose end records also hold the phase's peak memory, in bytes:
+    ``rss_peak`` (this process: VmHWM, exact), ``children_peak`` (the sum of its children's
+    private memory, sampled every ``interval`` seconds), ``peak`` (their sum: an upper bound of
+    the two at the same time) and ``rss_end``. The phase "imports" starts at once."""
+
+    def __init__(self, events_path, interval=0.25):
+        import psutil
+
+        super().__init__(events_path)
+        self.me, self.interval = psutil.Process(), interval
+        self.exact = _reset_high_water_mark()  # else this process's RSS is sampled as well
+        self.lock = threading.Lock()
+        self._reset()
+        threading.Thread(target=self._sample, name="bench-rss", daemon=True).start()
+        self.start("imports")
+
+    def _reset(self):
+        with self.lock:
+            self.self_peak = self.me.memory_info().rss
+            self.children_peak = 0
+
+    def _sample(self):
+        while True:
+            children = sum(_private_bytes(child) for child in self.me.children(recursive=True))
+            own = 0 if self.exact else self.me.memory_info().rss
+            with self.lock:
+                self.children_peak = max(self.children_peak, children)
+                self.self_peak = max(self.self_peak, own)
+            time.sleep(self.interval)
+
+    def start(self, name):
+        super().start(name)  # ends the current phase (recording its memory)
+        if self.exact:
+            _reset_high_water_mark()
+        self._reset()
+
+    def end(self, **facts):
+        with self.lock:
+            own = max(self.self_peak, _status_bytes("VmHWM") if self.exact else 0)
+            children = self.children_peak
+        super().end(**facts, rss_peak=own, children_peak=children, peak=own + children,
+                    rss_end=_status_bytes("VmRSS"))
+
+
+def rank_main(spec_path, rank):
+    """One rank of the conversion: ``_convert_rank.main`` with the imports as a phase of
+    their own and ``MeasuredPhases``."""
+    from mcore_cpu_shim import _convert_rank
+
+    def run(spec, rank, phases):
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+        from megatron.bridge import AutoBridge  # noqa: F401
+        # save_megatron_model imports this on its first call (with NVIDIA ModelOpt: seconds)
+        import megatron.bridge.training.model_load_save  # noqa: F401
+
+        _convert_rank.run_import(spec, rank, phases)  # its first phase ends "imports"
+
+    _convert_rank.main(spec_path, rank, run=run, phases_class=MeasuredPhases)
+
+
+def floor_main(kind, hf, out, events_path):
+    """The floor: read every safetensors file of ``hf`` into memory, write it all to ``out``."""
+    phases = MeasuredPhases(events_path)
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    phases.start("read")
+    state = {}
+    for name in sorted(os.listdir(hf)):
+        if name.endswith(".safetensors"):
+            state.update(load_file(os.path.join(hf, name)))
+    phases.start("write")
+    if kind == "torch":
+        torch.save(state, out)
+    else:
+        save_file(state, out)
+    phases.start("fsync")  # megatron-core's writer fsyncs every file it writes
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    phases.end(size=os.path.getsize(out))
+    phases.record(done=True, ok=True)
+
+
+def write_main(size, folder):
+    """Write the model of ``size`` to ``folder``; first a JSON line with its parameter count."""
+    from mcore_cpu_shim import hf_models
+
+    print(json.dumps({"parameters": parameter_count(hf_models.config("llama", **SIZES[size]))}), flush=True)
+    hf_models.write("llama", folder, dtype="bfloat16", seed=0, **SIZES[size])
+
+
+# ---------------------------------------------------------------- driver
+
+
+def environment():
+    """The environment of every measured process: the ranks' own (CUDA hidden, this package
+    importable, the cores shared out) for one rank."""
+    from mcore_cpu_shim.convert import rank_environment
+
+    return rank_environment(1)
+
+
+def phase_table(events, spawned):
+    """``{phase: {figure: value}}`` (``FIGURES``) of one process's events; "imports" counts
+    from ``spawned`` (the parent's clock before it started the process)."""
+    table = {}
+    for event in events:
+        if event.get("ok") and "phase" in event and "seconds" in event:
+            row = {k: event.get(k) for k in FIGURES}
+            if event["phase"] == "imports":
+                row["seconds"] = event["t"] - spawned
+            table[event["phase"]] = row
+    return table
+
+
+def run_convert(hf, out, folder, stream):
+    from mcore_cpu_shim import cli, convert
+    from mcore_cpu_shim._convert_rank import phases_of
+    from mcore_cpu_shim.demo import _read_events
+
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(folder)
+    args = cli.build_parser().parse_args(["convert", "import", "--hf", hf, "--out", out, "--verify"])
+    spec, _, source = convert.check(args)
+    spec_path = os.path.join(folder, "spec.json")  # start_ranks writes it there
+
+    def command(rank):
+        return [sys.executable, os.path.abspath(__file__), "--rank", spec_path, str(rank)]
+
+    spawned = time.time()
+    processes = convert.start_ranks(spec, folder, command=command, env=None)
+    outcome = convert.supervise(processes, ("imports",) + phases_of(spec), folder, convert.Progress(stream))
+    ended = time.time()
+    if outcome["failure"] is not None:  # keep the rank logs: the working folder goes
+        logs = shutil.move(folder, tempfile.mkdtemp(prefix="mcore-cpu-shim-bench-convert-logs-"))
+        raise SystemExit(convert.report_failure("bench_convert: convert import", outcome["failure"], logs))
+    table = phase_table(_read_events(os.path.join(folder, "rank0.jsonl")), spawned)
+    size = next((e.get("size") for e in _read_events(os.path.join(folder, "rank0.jsonl"))
+                 if e.get("phase") == "save" and e.get("ok")), None)
+    shutil.rmtree(out, ignore_errors=True)
+    return dict(phases=table, wall=ended - spawned, out_bytes=size, facts=outcome["facts"]), source
+
+
+def run_floor(kind, hf, workdir, stream):
+    from mcore_cpu_shim.demo import _read_events
+
+    out = os.path.join(workdir, f"floor.{'pt' if kind == 'torch' else 'safetensors'}")
+    events = os.path.join(workdir, f"floor-{kind}.jsonl")
+    log = os.path.join(workdir, f"floor-{kind}.log")
+    for path in (out, events):
+        if os.path.exists(path):
+            os.remove(path)
+    spawned = time.time()
+    with open(log, "w") as f:
+        code = subprocess.call([sys.executable, os.path.abspath(__file__), "--floor", kind, hf, out, events],
+                               env=environment(), stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    ended = time.time()
+    if code != 0:
+        with open(log) as f:
+            sys.stderr.write(f.read()[-6000:])
+        raise SystemExit(f"bench_convert: the {FLOORS[kind]} floor failed (exit status {code}; its log is above)")
+    table = phase_table(_read_events(events), spawned)
+    size = os.path.getsize(out)
+    os.remove(out)
+    print(f"  {FLOORS[kind]}: " + ", ".join(f"{name} {row['seconds']:.1f} s" for name, row in table.items()),
+          file=stream, flush=True)
+    return dict(phases=table, wall=ended - spawned, out_bytes=size)
+
+
+def medians(runs):
+    """Per phase, the median of each figure over ``runs``."""
+    names = [name for name in runs[0]["phases"]]
+    return {name: {key: statistics.median(r["phases"][name][key] for r in runs)
+                   for key in FIGURES}
+            for name in names}
+
+
+def end_to_end(runs, last):
+    """Median seconds from the process start to the end of phase ``last`` (imports included)."""
+    def one(run):
+        total = 0.0
+        for name, row in run["phases"].items():
+            total += row["seconds"]
+            if name == last:
+                return total
+        raise KeyError(last)
+
+    return statistics.median(one(r) for r in runs)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=list(SIZES), default="tiny",
+                        help="the Llama-like model to write and convert (default tiny: a smoke run)")
+    parser.add_argument("--hf", metavar="DIR", help="convert this Hugging Face model folder instead of writing one")
+    parser.add_argument("--reps", type=int, default=1, help="repetitions of each side (default 1); medians reported")
+    parser.add_argument("--dir", help="where to write the model and checkpoints (default: a temporary folder)")
+    parser.add_argument("--keep-model", action="store_true",
+                        help="keep the written model folder (its path is printed) for --hf next time")
+    parser.add_argument("--no-floor", action="store_true", help="the conversion alone (no ratios)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout (the rest on stderr)")
+    args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error("--reps must be 1 or more")
+    stream = sys.stderr if args.json else sys.stdout
+
+    def say(text=""):
+        print(text, file=stream, flush=True)
+
+    workdir = tempfile.mkdtemp(prefix="mcore-cpu-shim-bench-convert-", dir=args.dir)
+    written = None
+    try:
+        if args.hf:
+            hf, label, write_seconds = os.path.abspath(args.hf), args.hf, None
+        else:
+            label = f"llama {args.size} preset"
+            hf = written = os.path.join(workdir, f"llama-{args.size}")
+            start = time.perf_counter()
+            writer = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--write", args.size, hf],
+                                      env=environment(), stdout=subprocess.PIPE, text=True)
+            line = writer.stdout.readline()
+            expected = json.loads(line)["parameters"] if line else None
+            if expected:
+                say(f"writing {label} ({expected:,} parameters, bfloat16) ...")
+            writer.communicate()  # whatever else it printed
+            if writer.returncode != 0:
+                raise SystemExit(f"bench_convert: writing the model failed (exit status {writer.returncode})")
+            write_seconds = time.perf_counter() - start
+        runs = {"convert": [], "torch": [], "safetensors": []}
+        source = None
+        sides = ["convert"] + ([] if args.no_floor else list(FLOORS))
+        for rep in range(args.reps):
+            say(f"rep {rep + 1}/{args.reps}")
+            for side in sides[rep % len(sides):] + sides[: rep % len(sides)]:
+                if side == "convert":
+                    say("  convert import --verify:")
+                    result, source = run_convert(hf, os.path.join(workdir, "megatron"),
+                                                 os.path.join(workdir, f"convert-{rep}"), stream)
+                else:
+                    result = run_floor(side, hf, workdir, stream)
+                runs[side].append(result)
+    finally:
+        if written and args.keep_model:
+            kept = os.path.join(args.dir or tempfile.gettempdir(), os.path.basename(written))
+            if os.path.isdir(written) and not os.path.exists(kept):
+                shutil.move(written, kept)
+            print(f"model kept in {kept} (pass --hf {kept} next time)", file=stream)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    model_bytes = source["bytes"]
+    parameters = model_bytes // 2 if not args.hf else None  # bfloat16 throughout
+    if not args.hf and parameters != expected:
+        say(f"note: {parameters:,} parameters in the files, {expected:,} by the shapes")
+    gib = 2**30
+    report = {
+        "model": label, "hf": None if written else hf, "parameters": parameters, "model_bytes": model_bytes,
+        "files": source["files"], "tensors": source["tensors"], "write_seconds": write_seconds, "reps": args.reps,
+        "facts": {k: runs["convert"][0]["facts"].get(k) for k in ("torch", "megatron_core", "megatron_bridge",
+                                                                  "cuda_initialized")},
+        "checkpoint_bytes": runs["convert"][0]["out_bytes"],
+        "convert": medians(runs["convert"]),
+    }
+    convert_e2e = end_to_end(runs["convert"], "save")
+    convert_work = statistics.median(sum(r["phases"][p]["seconds"] for p in WORK) for r in runs["convert"])
+    peak_convert = max(report["convert"][p]["peak"] for p, _ in CONVERT_ROWS if p != "verify")
+    report["convert_seconds"] = {"end_to_end_to_save": convert_e2e, "work": convert_work,
+                                 "verify": report["convert"]["verify"]["seconds"]}
+    base = report["convert"]["imports"]["peak"]  # the interpreter with its libraries
+    report["ratios"] = {
+        "peak_rss_over_model_bytes": {"convert": peak_convert / model_bytes,
+                                      "verify": report["convert"]["verify"]["peak"] / model_bytes},
+        "added_rss_over_model_bytes": {"convert": (peak_convert - base) / model_bytes,
+                                       "verify": (report["convert"]["verify"]["peak"] - base) / model_bytes},
+    }
+    for kind in ([] if args.no_floor else FLOORS):
+        report[f"floor_{kind}"] = medians(runs[kind])
+        e2e = end_to_end(runs[kind], "fsync")
+        work = statistics.median(sum(r["phases"][p]["seconds"] for p in ("read", "write", "fsync")) for r in runs[kind])
+        report[f"floor_{kind}_seconds"] = {"end_to_end": e2e, "work": work}
+        report["ratios"][f"convert_over_{kind}_end_to_end"] = convert_e2e / e2e
+        report["ratios"][f"convert_over_{kind}_work"] = convert_work / work
+        peak = max(row["peak"] for row in report[f"floor_{kind}"].values())
+        report["ratios"]["peak_rss_over_model_bytes"][kind] = peak / model_bytes
+        report["ratios"]["added_rss_over_model_bytes"][kind] = (
+            (peak - report[f"floor_{kind}"]["imports"]["peak"]) / model_bytes)
+
+    # ---- the table
+    facts = report["facts"]
+    say()
+    say(f"model: {label}" + (f", {parameters:,} parameters" if parameters else "")
+        + f", {model_bytes / gib:.2f} GiB in {source['files']} safetensors file(s), {source['tensors']} tensors"
+        + (f"; written in {write_seconds:.0f} s" if write_seconds else ""))
+    say(f"megatron-core {facts['megatron_core']}, Megatron-Bridge {facts['megatron_bridge']}, torch {facts['torch']}, "
+        f"CUDA initialised: {facts['cuda_initialized']}; {os.cpu_count()} cores; "
+        f"median of {args.reps} rep(s)")
+    say(f"{'':26}{'seconds':>9}{'peak GiB':>10}{'process':>10}{'children':>10}{'peak / model':>14}"
+        f"{'added / model':>15}")
+
+    def rows(title, table, names, total_label, total):
+        say(title)
+        base = table["imports"]["peak"]
+        for key, name in names:
+            row = table[key]
+            say(f"  {name:24}{row['seconds']:9.1f}{row['peak'] / gib:10.2f}{row['rss_peak'] / gib:10.2f}"
+                f"{row['children_peak'] / gib:10.2f}{row['peak'] / model_bytes:14.2f}"
+                f"{(row['peak'] - base) / model_bytes:15.2f}")
+        say(f"  {total_label:24}{total:9.1f}")
+
+    rows("convert import --verify", report["convert"], CONVERT_ROWS, "start to end of save", convert_e2e)
+    for kind in ([] if args.no_floor else FLOORS):
+        rows(f"floor: {FLOORS[kind]}", report[f"floor_{kind}"], FLOOR_ROWS, "start to end of fsync",
+             report[f"floor_{kind}_seconds"]["end_to_end"])
+    ratios = report["ratios"]
+    if not args.no_floor:
+        say("conversion time / floor time (conversion without verify):")
+        for kind in FLOORS:
+            say(f"  vs {FLOORS[kind]:22} end to end {ratios[f'convert_over_{kind}_end_to_end']:6.2f}"
+                f"   work only (load HF..save / read+write+fsync) {ratios[f'convert_over_{kind}_work']:6.2f}")
+    peaks, added = ratios["peak_rss_over_model_bytes"], ratios["added_rss_over_model_bytes"]
+    say("peak RSS / model bytes (in brackets: above the process after its imports): " + ", ".join(
+        f"{name} {peaks[key]:.2f} ({added[key]:.2f})"
+        for key, name in (("convert", "conversion to save"), ("verify", "verify"), ("torch", "torch.save floor"),
+                          ("safetensors", "save_file floor")) if key in peaks))
+    if args.json:
+        report["runs"] = runs
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--rank"]:
+        rank_main(sys.argv[2], int(sys.argv[3]))
+    elif sys.argv[1:2] == ["--floor"]:
+        floor_main(*sys.argv[2:6])
+    elif sys.argv[1:2] == ["--write"]:
+        write_main(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit(main())
