@@ -63,6 +63,10 @@ def run_config(checkpoint):
 @pytest.mark.parametrize("path", ["import_ckpt", "provider"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_round_trip_is_exact_and_touches_no_cuda(family, path, tmp_path):
+    if path == "provider" and MODE == "shim":
+        # In shim mode test_demo.py's runs take this path (convert's import: the provider,
+        # provide_distributed_model, save_megatron_model) for every family, with logits.
+        pytest.skip("shim mode: the provider path is test_demo.py::test_bridge_family's (CI time)")
     hf = hf_model(family)
     megatron, back = str(tmp_path / "megatron"), str(tmp_path / "hf")
     imported = run_bridge(IMPORT, hf, megatron, path)
