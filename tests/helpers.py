@@ -32,6 +32,9 @@ _mcore_tree = _load_mcore_tree()
 mcore_version = _mcore_tree.mcore_version
 MODE = os.environ.get("MCORE_CPU_SHIM_MODE", "shim")
 MCORE_VERSION = tuple(int(p) for p in mcore_version().split(".")[:2])
+# What CUDA's absence says (torch.cuda._lazy_init): no driver, a CPU-only torch, a driver with
+# every device hidden.
+NO_CUDA = ("NVIDIA driver", "not compiled with CUDA", "No CUDA GPUs are available")
 # Megatron-Bridge on the path (tools/matrix.py's bridge legs put it there; the release legs
 # have none, and every Bridge test skips there).
 HAVE_BRIDGE = _mcore_tree.module_file("megatron.bridge") is not None

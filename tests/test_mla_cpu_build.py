@@ -13,6 +13,7 @@ import importlib
 import pytest
 from helpers import (
     MODE,
+    NO_CUDA,
     cpu_logits,
     expected_state,
     inference_rng_tracker,
@@ -26,9 +27,6 @@ MODULE = "megatron.core.transformer.multi_latent_attention"
 TARGET = f"{MODULE}:MultiLatentAttention.__init__"
 EMBEDDINGS = "megatron.core.models.common.embeddings"
 SHIM_ONLY = pytest.mark.skipif(MODE != "shim", reason=f"mode {MODE}: needs the unpatched code")
-# What CUDA's absence says (torch.cuda._lazy_init): no driver, a CPU-only torch, a driver with
-# every device hidden.
-NO_CUDA = ("NVIDIA driver", "not compiled with CUDA", "No CUDA GPUs are available")
 ROPE_TYPES = ["yarn", "rope"]
 
 # Tiny, with rotary settings away from the defaults, so an argument MLA failed to pass on

@@ -10,6 +10,7 @@ import pytest
 from helpers import (
     MCORE_VERSION,
     MODE,
+    NO_CUDA,
     expected_state,
     init_gloo,
     mcore_version,
@@ -26,9 +27,6 @@ TARGET = f"{MODULE}:TopKRouter.__init__"
 SHIM_ONLY = pytest.mark.skipif(MODE != "shim", reason=f"mode {MODE}: needs the unpatched code")
 # Where an unpatched TopKRouter.__init__ gives its buffers the current CUDA device.
 BUGGY_FROM = (0, 15)
-# What CUDA's absence says (torch.cuda._lazy_init): no driver, a CPU-only torch, a driver with
-# every device hidden.
-NO_CUDA = ("NVIDIA driver", "not compiled with CUDA", "No CUDA GPUs are available")
 
 EXPERTS = 4
 # A 2-layer local-spec MoE GPTModel: 4 experts, top-2, alltoall (0.13 refuses biases in MoE).

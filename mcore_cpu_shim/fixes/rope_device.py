@@ -62,8 +62,8 @@ frequencies moved to the GPU, as before: a CPU forward needs CUDA hidden
 
 Form: every release (known or drifted code alike) gets its live function rewritten at the one
 bug expression (``_engine.rewrite``: ``torch.cuda.current_device()`` -> ``frequency_device(self)``
-in ``forward``/``get_emb``, -> ``initial_device()`` in M-RoPE's constructor), so every other line
-is upstream's (``forward``'s ``lru_cache`` is kept, with a memo of its own), tracebacks point into
+in ``forward``/``get_emb``, -> ``buffer_device()`` (``attention_buffers_device``'s) in M-RoPE's
+constructor), so every other line is upstream's (``forward``'s ``lru_cache`` is kept, with a memo of its own), tracebacks point into
 megatron-core's file, and drifted code keeps what upstream changed around the spot. The site
 checks make sure the expression occurs once, in the statement the rewrite expects, that
 ``torch.cuda`` is used for nothing else, and (plain RoPE) that ``get_freqs_non_repeated`` still
@@ -74,6 +74,7 @@ computes on the frequencies' device. Upstream code that asks ``torch.cuda.is_ava
 import sys
 
 from .._engine import Check, Fix, Target, cuda_attributes, normalise, occurs, rewriting
+from .attention_buffers_device import buffer_device  # noqa: F401  (reached by the rewrite)
 
 _MODULE = "megatron.core.models.common.embeddings.rotary_pos_embedding"
 # How patch 0010 (and, we expect, upstream) fixes both spots: it asks before using CUDA.
@@ -87,14 +88,6 @@ def frequency_device(self):
     import torch
 
     return torch.cuda.current_device() if torch.cuda.is_available() else self.inv_freq.device
-
-
-def initial_device():
-    """Where M-RoPE's constructor makes its frequencies: the current CUDA device where CUDA is
-    available (upstream), else the CPU."""
-    import torch
-
-    return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
 
 
 def _positions_follow_the_frequencies(code):
@@ -119,7 +112,9 @@ _MOVE = (
         _positions_follow_the_frequencies,
     ),
 )
-_INIT_REWRITE = rewriting(_HERE, {BUG: "_mcore_cpu_shim.initial_device()"})
+# M-RoPE's constructor makes its frequencies on attention_buffers_device.buffer_device(): the
+# current CUDA device where CUDA is available (upstream), else the CPU.
+_INIT_REWRITE = rewriting(_HERE, {BUG: "_mcore_cpu_shim.buffer_device()"})
 
 FIX = Fix(
     name="rope_device",

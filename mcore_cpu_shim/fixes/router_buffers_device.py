@@ -34,19 +34,14 @@ fixed; 0.13.0rc0 ... 0.15.0rc2, which name no device, read upstream-fixed.
 import sys
 
 from .._engine import Check, Fix, Target, cuda_attributes, rewriting
+# The current CUDA device where CUDA is available (upstream), else the CPU: the same answer as
+# for the attention buffers, one definition.
+from .attention_buffers_device import buffer_device  # noqa: F401  (reached by the rewrite)
 
 _MODULE = "megatron.core.transformer.moe.router"
 # How patch 0011 (and, we expect, upstream) fixes it: it asks before using CUDA.
 NO_CUDA = "torch.cuda.is_available()"
 BUG = "torch.cuda.current_device()"
-
-
-def buffer_device():
-    """Where the router's buffers are made: the current CUDA device where CUDA is available
-    (upstream), else the CPU."""
-    import torch
-
-    return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
 
 
 _HERE = sys.modules[__name__]
