@@ -198,13 +198,23 @@ def bridge_checkpoint(family, folder):
 
 
 def hf_model(family):
-    """A tiny HF model of ``family`` (mcore_cpu_shim.hf_models), written once per test session
-    (all workers share it; never modified by a test): its folder."""
+    """A tiny HF model of ``family`` (mcore_cpu_shim.hf_models), written once per builder source
+    and transformers version (all workers and sessions share it; never modified by a test): its
+    folder."""
     import hashlib
+
+    from importlib.metadata import PackageNotFoundError, version as installed
 
     builder = os.path.join(os.path.dirname(importlib.util.find_spec("mcore_cpu_shim").origin), "hf_models.py")
     with open(builder, "rb") as source:
-        version = hashlib.sha256(source.read()).hexdigest()[:12]  # a changed builder: new models
+        digest = hashlib.sha256(source.read())  # a changed builder: new models
+    # transformers 5 writes tokenizer files that transformers 4 cannot read, and the tox envs
+    # (one /tmp) pin different transformers: one set of models per transformers version.
+    try:
+        digest.update(installed("transformers").encode())
+    except PackageNotFoundError:
+        pass  # writing fails below, saying so
+    version = digest.hexdigest()[:12]
     folder = os.path.join(tempfile.gettempdir(), f"mcore-cpu-shim-models-{version}", family)
     if not os.path.isfile(os.path.join(folder, "config.json")):
         result = run_python(
