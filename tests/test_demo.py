@@ -212,16 +212,6 @@ FAMILIES = {
 }
 
 
-def bridge_gap(family):
-    """Why this Megatron-Bridge cannot convert ``family`` on a CPU host, or None."""
-    if family == "deepseek-v3" and "local_experts" not in megatron_source("megatron.bridge.models.deepseek.common"):
-        # Without TE the experts are a SequentialMLP (local_experts.N.*); Bridge 0.3.1 maps
-        # DeepSeek's experts only as TE's grouped GEMM (experts.linear_fc1.weightN).
-        return ("this Megatron-Bridge maps DeepSeek-V3 experts only in TE's grouped-GEMM form, "
-                "which a host without CUDA cannot build (Bridge main maps both)")
-    return None
-
-
 @needs_bridge()
 @pytest.mark.cuda_hidden
 # (bridge-patched: the patched Bridge's conversions are test_bridge_roundtrip's; a family per
@@ -232,16 +222,14 @@ def test_bridge_family(family, tmp_path, record_property):
     """Each family converts exactly and its CPU logits agree with HF's: plain RoPE (rope_device)
     with q/k/v biases (Qwen2) and q/k norms (Qwen3), a MoE without shared experts (Qwen3-MoE),
     and MLA with YaRN, expert bias and a shared expert (DeepSeek-V3: mla_cpu_build,
-    router_buffers_device, bridge_local_layers' CUDA-only flags). The demo's pass with the shim
+    router_buffers_device, bridge_local_layers' CUDA-only flags, and on Bridge 0.3.1
+    bridge_local_experts). The demo's pass with the shim
     (every step under forbid_cuda()), on one rank; the default demo run above is the one with
     expert parallelism and the pass without the shim."""
     from types import SimpleNamespace
 
     from mcore_cpu_shim import _demo_bridge
 
-    gap = bridge_gap(family)
-    if gap:
-        pytest.skip(gap)
     sizes = dict.fromkeys(_demo_bridge.CONFIG_FIELDS)
     args = SimpleNamespace(model=family, ranks=1, ep=1, seq_len=32, timeout=600, **sizes)
     shown = []

@@ -32,6 +32,7 @@ FIXES = (
 
 from . import (  # noqa: E402
     bridge_expert_names,
+    bridge_local_experts,
     bridge_local_layers,
     bridge_process_group,
     bridge_rng_state,
@@ -47,4 +48,5 @@ BRIDGE_FIXES = (
     bridge_rng_state.FIX,
     bridge_yarn_config.FIX,
     bridge_expert_names.FIX,
+    bridge_local_experts.FIX,
 )
