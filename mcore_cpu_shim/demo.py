@@ -34,7 +34,7 @@ import tempfile
 import time
 
 from ._demo_rank import STEPS
-from .hf_models import EXPERT_FIELDS, FAMILIES
+from .hf_models import BRIDGE_FAMILIES, EXPERT_FIELDS
 
 PASSES = (("without shim", "without-shim"), ("with shim", "with-shim"))
 # The pass without the shim: no fix and no Transformer Engine guard.
@@ -57,7 +57,7 @@ def add_parser(subparsers):
         "else a megatron-core round trip), without and with the shim",
         description=__doc__.split("\n\n")[1].replace("\n", " "),
     )
-    p.add_argument("--model", choices=FAMILIES, default="gpt-oss",
+    p.add_argument("--model", choices=BRIDGE_FAMILIES, default="gpt-oss",
                    help="the Hugging Face model of the Megatron-Bridge round trip (default gpt-oss)")
     p.add_argument("--megatron-only", action="store_true",
                    help="run the megatron-core-only round trip even where Megatron-Bridge is installed")

@@ -12,6 +12,9 @@ Families (what each exercises on the megatron side):
   gpt-oss      YaRN, learnable softmax offsets, sliding-window layers, 4 experts top-2
   deepseek-v3  MLA with YaRN, a dense first layer, then 4 routed experts (sigmoid scores with an
                expert bias, grouped top-2) and a shared expert
+  mixtral      llama attention, 4 experts top-2 (softmax scores) in every layer; no Megatron-Bridge
+               converts it (neither 0.3.1 nor main has a Mixtral bridge): the tests convert it
+               with megatron-core directly (tests/test_family_mixtral.py)
 ``overrides`` change any config field (e.g. a larger ``hidden_size`` for the benchmark).
 """
 
@@ -19,13 +22,16 @@ from __future__ import annotations
 
 import os
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3-moe", "gpt-oss", "deepseek-v3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3-moe", "gpt-oss", "deepseek-v3", "mixtral")
+# The families Megatron-Bridge converts (``demo --model``).
+BRIDGE_FAMILIES = FAMILIES[:-1]
 # The config fields of the routed experts' count and FFN size, by MoE family (the others are
 # dense: ``intermediate_size`` is their FFN).
 EXPERT_FIELDS = {
     "qwen3-moe": ("num_experts", "moe_intermediate_size"),
     "gpt-oss": ("num_local_experts", "intermediate_size"),
     "deepseek-v3": ("n_routed_experts", "moe_intermediate_size"),
+    "mixtral": ("num_local_experts", "intermediate_size"),
 }
 
 # Shared by every family: small, but every dimension a real model has (GQA, two layers so
@@ -85,6 +91,10 @@ def config(family: str, **overrides):
         )
         fields.pop("head_dim")
         cls = transformers.DeepseekV3Config
+    elif family == "mixtral":
+        fields = dict(_COMMON, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                      rms_norm_eps=1e-5, sliding_window=None)
+        cls = transformers.MixtralConfig
     elif family == "gpt-oss":
         fields = dict(
             _COMMON,

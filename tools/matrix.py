@@ -77,7 +77,9 @@ BRIDGE_LEGS = {"bridge-0.3.1": ("0.3.1", "0.16.1"), "bridge-main": ("main", "bri
 BRIDGE_PATCHES = PATCHES / "bridge"
 BRIDGE_MODES = ("shim", "bridge-patched")
 BRIDGE_TESTS = ["tests/test_bridge_*.py", "tests/test_convert.py", "tests/test_demo.py", "tests/test_drift.py",
-                "tests/test_engine.py::test_every_fix_reaches_its_expected_state"]
+                "tests/test_engine.py::test_every_fix_reaches_its_expected_state", "tests/test_family_mixtral.py"]
+# The family table's rows: test_demo.py's Bridge conversions, and Mixtral's (no Bridge converts it).
+FAMILY_CASES = {"test_bridge_family[": None, "test_mixtral_converts_with_megatron_core": "mixtral"}
 
 
 def bridge_series():
@@ -408,13 +410,14 @@ def report():
     if families:
         names = sorted({name for name, _ in families})
         bridge_legs = sorted({leg for _, leg in families})
-        table("Model families through Megatron-Bridge (mode shim; tests/test_demo.py::test_bridge_family):",
+        table("Model families (mode shim; through Megatron-Bridge: tests/test_demo.py::test_bridge_family; "
+              "Mixtral with megatron-core directly: tests/test_family_mixtral.py):",
               ["family"] + bridge_legs, [[n] + [families.get((n, leg), "-") for leg in bridge_legs] for n in names])
     return 0
 
 
 def family_cells(bridge_legs):
-    """{(family, Bridge leg): what its test_bridge_family case recorded, or why it did not run}."""
+    """{(family, Bridge leg): what its family case (FAMILY_CASES) recorded, or why it did not run}."""
     cells = {}
     for leg in bridge_legs:
         junit = RESULTS / f"{leg}-shim-cuda_hidden.xml"
@@ -422,9 +425,10 @@ def family_cells(bridge_legs):
             continue
         for case in ElementTree.parse(junit).getroot().iter("testcase"):
             name = case.get("name", "")
-            if not name.startswith("test_bridge_family["):
+            prefix = next((p for p in FAMILY_CASES if name.startswith(p)), None)
+            if prefix is None:
                 continue
-            family = name[len("test_bridge_family["):-1]
+            family = FAMILY_CASES[prefix] or name[len(prefix):-1]
             recorded = case.find("properties/property[@name='family']")
             skipped = case.find("skipped")
             if recorded is not None:
