@@ -83,6 +83,8 @@ FLOOR_ROWS = (("imports", "start + imports"), ("read", "read safetensors"), ("wr
 FLOORS = {"torch": "torch.save", "safetensors": "safetensors save_file"}
 FIGURES = ("seconds", "peak", "rss_peak", "children_peak", "rss_end")  # per phase (bytes, but seconds)
 WORK = ("load HF", "build model", "copy weights", "save")  # the conversion without imports and verify
+# Set for --compare-save's second conversion: Bridge's save without its low-memory flow.
+PLAIN_SAVE = "MCORE_CPU_SHIM_BENCH_PLAIN_SAVE"
 
 
 def parameter_count(config):
@@ -190,6 +192,13 @@ def rank_main(spec_path, rank):
         # save_megatron_model imports this on its first call (with NVIDIA ModelOpt: seconds)
         import megatron.bridge.training.model_load_save  # noqa: F401
 
+        if os.environ.get(PLAIN_SAVE) == "1":  # --compare-save's second conversion
+            save = AutoBridge.save_megatron_model
+
+            def save_megatron_model(self, *args, **kwargs):
+                return save(self, *args, **dict(kwargs, low_memory_save=False))
+
+            AutoBridge.save_megatron_model = save_megatron_model
         _convert_rank.run_import(spec, rank, phases)  # its first phase ends "imports"
 
     _convert_rank.main(spec_path, rank, run=run, phases_class=MeasuredPhases)
@@ -253,7 +262,7 @@ def phase_table(events, spawned):
     return table
 
 
-def run_convert(hf, out, folder, stream):
+def run_convert(hf, out, folder, stream, plain_save=False):
     from mcore_cpu_shim import cli, convert
     from mcore_cpu_shim._convert_rank import phases_of
     from mcore_cpu_shim.demo import _read_events
@@ -268,7 +277,8 @@ def run_convert(hf, out, folder, stream):
         return [sys.executable, os.path.abspath(__file__), "--rank", spec_path, str(rank)]
 
     spawned = time.time()
-    processes = convert.start_ranks(spec, folder, command=command, env=None)
+    env = dict(os.environ, **{PLAIN_SAVE: "1"}) if plain_save else None
+    processes = convert.start_ranks(spec, folder, command=command, env=env)
     outcome = convert.supervise(processes, ("imports",) + phases_of(spec), folder, convert.Progress(stream))
     ended = time.time()
     if outcome["failure"] is not None:  # keep the rank logs: the working folder goes
@@ -338,6 +348,8 @@ def main(argv=None):
     parser.add_argument("--keep-model", action="store_true",
                         help="keep the written model folder (its path is printed) for --hf next time")
     parser.add_argument("--no-floor", action="store_true", help="the conversion alone (no ratios)")
+    parser.add_argument("--compare-save", action="store_true",
+                        help="also convert with Bridge's save_megatron_model(low_memory_save=False), side by side")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout (the rest on stderr)")
     args = parser.parse_args(argv)
     if args.reps < 1:
@@ -366,16 +378,17 @@ def main(argv=None):
             if writer.returncode != 0:
                 raise SystemExit(f"bench_convert: writing the model failed (exit status {writer.returncode})")
             write_seconds = time.perf_counter() - start
-        runs = {"convert": [], "torch": [], "safetensors": []}
+        runs = {"convert": [], "plain": [], "torch": [], "safetensors": []}
         source = None
-        sides = ["convert"] + ([] if args.no_floor else list(FLOORS))
+        sides = ["convert"] + (["plain"] if args.compare_save else []) + ([] if args.no_floor else list(FLOORS))
         for rep in range(args.reps):
             say(f"rep {rep + 1}/{args.reps}")
             for side in sides[rep % len(sides):] + sides[: rep % len(sides)]:
-                if side == "convert":
-                    say("  convert import --verify:")
+                if side in ("convert", "plain"):
+                    say("  convert import --verify" + (" (low_memory_save=False):" if side == "plain" else ":"))
                     result, source = run_convert(hf, os.path.join(workdir, "megatron"),
-                                                 os.path.join(workdir, f"convert-{rep}"), stream)
+                                                 os.path.join(workdir, f"{side}-{rep}"), stream,
+                                                 plain_save=side == "plain")
                 else:
                     result = run_floor(side, hf, workdir, stream)
                 runs[side].append(result)
@@ -447,6 +460,10 @@ def main(argv=None):
         say(f"  {total_label:24}{total:9.1f}")
 
     rows("convert import --verify", report["convert"], CONVERT_ROWS, "start to end of save", convert_e2e)
+    if args.compare_save:
+        report["convert_plain_save"] = plain = medians(runs["plain"])
+        rows("the same, Bridge's save with low_memory_save=False (verify: the model stays alive)", plain,
+             CONVERT_ROWS, "start to end of save", end_to_end(runs["plain"], "save"))
     for kind in ([] if args.no_floor else FLOORS):
         rows(f"floor: {FLOORS[kind]}", report[f"floor_{kind}"], FLOOR_ROWS, "start to end of fsync",
              report[f"floor_{kind}_seconds"]["end_to_end"])
@@ -461,6 +478,12 @@ def main(argv=None):
         f"{name} {peaks[key]:.2f} ({added[key]:.2f})"
         for key, name in (("convert", "conversion to save"), ("verify", "verify"), ("torch", "torch.save floor"),
                           ("safetensors", "save_file floor")) if key in peaks))
+    if args.compare_save:
+        low, plain = report["convert"]["save"], report["convert_plain_save"]["save"]
+        report["ratios"]["save_plain_over_low_memory"] = {"seconds": plain["seconds"] / low["seconds"],
+                                                          "peak": plain["peak"] / low["peak"]}
+        say(f"save with low_memory_save=False / True (Bridge's default for import_ckpt and convert): "
+            f"seconds {plain['seconds'] / low['seconds']:.2f}, peak RSS {plain['peak'] / low['peak']:.2f}")
     if args.json:
         report["runs"] = runs
         print(json.dumps(report))
