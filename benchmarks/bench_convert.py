@@ -40,6 +40,8 @@ The model files are in the page cache for every side (just written, or read by t
     python benchmarks/bench_convert.py --size 1B --reps 3
     python benchmarks/bench_convert.py --size 0.5B --json         # JSON alone on stdout
     python benchmarks/bench_convert.py --hf ~/models/SomeLlama    # a model folder you have
+    python benchmarks/bench_convert.py --size 3B --reps 2 --compare-save
+                                    # + a conversion whose save has Bridge's low_memory_save=False
 
 Run it where ``mcore-cpu-shim convert`` runs (Megatron-Bridge, megatron-core, torch,
 transformers, safetensors and psutil importable), e.g. ``PYTHONPATH=.:.mcore/bridge-0.3.1:.mcore/0.16.1``.
