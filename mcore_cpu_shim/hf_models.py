@@ -23,8 +23,9 @@ from __future__ import annotations
 import os
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3-moe", "gpt-oss", "deepseek-v3", "mixtral")
-# The families Megatron-Bridge converts (``demo --model``).
-BRIDGE_FAMILIES = FAMILIES[:-1]
+# The families no Megatron-Bridge has a bridge for; the others it converts (``demo --model``).
+WITHOUT_BRIDGE = ("mixtral",)
+BRIDGE_FAMILIES = tuple(family for family in FAMILIES if family not in WITHOUT_BRIDGE)
 # The config fields of the routed experts' count and FFN size, by MoE family (the others are
 # dense: ``intermediate_size`` is their FFN).
 EXPERT_FIELDS = {

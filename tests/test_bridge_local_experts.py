@@ -54,7 +54,6 @@ import mcore_cpu_shim
 from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
 from megatron.bridge.models.conversion.param_mapping import AutoMapping, DirectMapping
 from megatron.bridge.models.qwen.qwen3_moe_bridge import Qwen3MoEBridge
-from megatron.bridge.models.olmoe.olmoe_bridge import OlMoEBridge
 
 plain = MegatronMappingRegistry(
     AutoMapping("decoder.layers.*.mlp.experts.linear_fc2.weight*", "model.layers.*.mlp.experts.*.down_proj.weight"),

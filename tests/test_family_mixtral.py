@@ -29,7 +29,7 @@ CONVERT = r"""
 import json, sys, tempfile
 import torch
 import mcore_cpu_shim
-from helpers import init_gloo, save_and_reload, tensors
+from helpers import init_gloo, save_and_reload
 from pathlib import Path
 from mcore_cpu_shim import _demo_bridge
 from megatron.core import tensor_parallel
@@ -76,17 +76,22 @@ def split_qkv(w):
     return {"q": blocks[:, :per * d].reshape(heads * d, -1), "k": blocks[:, per * d:(per + 1) * d].reshape(groups * d, -1),
             "v": blocks[:, (per + 1) * d:].reshape(groups * d, -1)}
 
-def to_megatron():
-    out = {"embedding.word_embeddings.weight": source["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": source["model.norm.weight"],
-           "output_layer.weight": source["lm_head.weight"]}
+def one_to_one():  # (megatron name, HF name) of every tensor that maps unchanged
+    pairs = [("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+             ("decoder.final_layernorm.weight", "model.norm.weight"), ("output_layer.weight", "lm_head.weight")]
     for i in range(layers):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        out[m + "input_layernorm.weight"] = source[h + "input_layernorm.weight"]
+        pairs += [(m + "input_layernorm.weight", h + "input_layernorm.weight"),
+                  (m + "self_attention.linear_proj.weight", h + "self_attn.o_proj.weight"),
+                  (m + "pre_mlp_layernorm.weight", h + "post_attention_layernorm.weight"),
+                  (m + "mlp.router.weight", h + f"{moe}.gate.weight")]
+    return pairs
+
+def to_megatron():
+    out = {megatron: source[hf] for megatron, hf in one_to_one()}
+    for i in range(layers):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         out[m + "self_attention.linear_qkv.weight"] = qkv(i)
-        out[m + "self_attention.linear_proj.weight"] = source[h + "self_attn.o_proj.weight"]
-        out[m + "pre_mlp_layernorm.weight"] = source[h + "post_attention_layernorm.weight"]
-        out[m + "mlp.router.weight"] = source[h + f"{moe}.gate.weight"]
         for e in range(experts):
             x = m + f"mlp.experts.local_experts.{e}."
             if fused:
@@ -99,17 +104,11 @@ def to_megatron():
     return out
 
 def to_hf(params):
-    out = {"model.embed_tokens.weight": params["embedding.word_embeddings.weight"],
-           "model.norm.weight": params["decoder.final_layernorm.weight"],
-           "lm_head.weight": params["output_layer.weight"]}
+    out = {hf: params[megatron] for megatron, hf in one_to_one()}
     for i in range(layers):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        out[h + "input_layernorm.weight"] = params[m + "input_layernorm.weight"]
         for p, w in split_qkv(params[m + "self_attention.linear_qkv.weight"]).items():
             out[h + f"self_attn.{p}_proj.weight"] = w
-        out[h + "self_attn.o_proj.weight"] = params[m + "self_attention.linear_proj.weight"]
-        out[h + "post_attention_layernorm.weight"] = params[m + "pre_mlp_layernorm.weight"]
-        out[h + f"{moe}.gate.weight"] = params[m + "mlp.router.weight"]
         fc1 = [params[m + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] for e in range(experts)]
         fc2 = [params[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] for e in range(experts)]
         if fused:
