@@ -15,8 +15,8 @@ the fix lists are asked for), and the tripwire when ``forbid_cuda`` is first use
 import os
 import sys
 
-from . import _engine, _te_guard
-from ._engine import McoreCpuShimWarning
+from . import _te_guard, engine
+from .engine import McoreCpuShimWarning
 from ._version import __version__
 
 __all__ = [
@@ -43,7 +43,7 @@ def _all_fixes():
 
 def _fixes():
     """Every fix, hooked (if ``apply`` is still waiting for megatron's import, now)."""
-    _engine.activate()
+    engine.activate()
     return _all_fixes()
 
 
@@ -93,13 +93,13 @@ def apply():
     Safe to call again. A bad switch value raises ValueError and activates nothing.
     """
     te_mode = _te_guard.mode_from_env()
-    _engine.apply(_all_fixes, ROOTS)
+    engine.apply(_all_fixes, ROOTS)
     _te_guard.install(te_mode)
 
 
 def status():
     """``{fix name: {"state", "summary", "targets": {target: {"state", "detail"}}}}``."""
-    return _engine.status(_fixes())
+    return engine.status(_fixes())
 
 
 def _started_as_cli():

@@ -362,7 +362,7 @@ def final_facts():
     import torch
 
     from . import status
-    from ._engine import mcore_version
+    from ._mcore_tree import mcore_version
     from .doctor import driver_libraries
 
     facts = {

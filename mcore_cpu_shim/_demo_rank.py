@@ -125,7 +125,7 @@ def zero_uninitialised_softmax_offsets(model):
     that is replicated, saved once and reloaded everywhere. Start them at zero there."""
     import torch
 
-    from ._engine import mcore_version
+    from ._mcore_tree import mcore_version
 
     if mcore_version().startswith("0.15."):
         with torch.no_grad():
@@ -263,7 +263,7 @@ class Rank:
         import torch
 
         from . import _te_guard, status
-        from ._engine import mcore_version
+        from ._mcore_tree import mcore_version
 
         self.record(
             done=True,

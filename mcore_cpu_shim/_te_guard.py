@@ -48,7 +48,7 @@ import _thread
 import os
 import sys
 
-from ._engine import PACKAGE, McoreCpuShimWarning, _log
+from .engine import PACKAGE, McoreCpuShimWarning, log
 from ._version import __version__
 
 # importlib, importlib.metadata, importlib.machinery and warnings are imported where they are used:
@@ -246,7 +246,7 @@ class TeGuard:
             McoreCpuShimWarning,
             stacklevel=3,
         )
-        _log("transformer_engine: %s", reason)
+        log("transformer_engine: %s", reason)
 
     def make_absent(self, reason, cause):
         """Forget every TE module and mark TE's top-level names absent in sys.modules."""

@@ -193,10 +193,10 @@ def _version(te):
 def collect():
     """The report as a dict (what ``--json`` prints)."""
     package = importlib.import_module(__name__.rpartition(".")[0])
-    from . import _engine, _te_guard
+    from . import _te_guard, engine
 
     report = {
-        "shim": {"version": package.__version__, "package": _engine.PACKAGE,
+        "shim": {"version": package.__version__, "package": engine.PACKAGE,
                  "path": os.path.dirname(package.__file__)},
         "python": sys.version.split()[0],
         "problems": [],
@@ -213,10 +213,10 @@ def collect():
         report["torch"] = {"version": torch.__version__, "build": build}
 
     installed = megatron_core_found()
-    report["megatron_bridge"] = _megatron_bridge(_engine, report) if installed and torch is not None else {"version": None}
+    report["megatron_bridge"] = _megatron_bridge(engine, report) if installed and torch is not None else {"version": None}
     if installed and torch is not None:
         _import_targets(package, report)
-    report["megatron_core"] = {"version": _engine.mcore_version() if installed else None}
+    report["megatron_core"] = {"version": engine.mcore_version() if installed else None}
     if installed:
         core = sys.modules.get("megatron.core")
         report["megatron_core"]["path"] = os.path.dirname(core.__file__) if core else None
@@ -237,7 +237,7 @@ def collect():
     report["fixes"] = package.status()
     for name, fix in report["fixes"].items():
         for target, state in fix["targets"].items():
-            if state["state"] == _engine.UNSUPPORTED:
+            if state["state"] == engine.UNSUPPORTED:
                 report["problems"].append(
                     f"{name}: {target} still assumes CUDA and no fix covers it ({state['detail']})"
                 )

@@ -11,7 +11,7 @@ run without it.
 import os
 import sys
 
-from . import _engine
+from . import engine
 
 AUTOLOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_autoload")
 
@@ -31,9 +31,9 @@ def environment(base=None):
     """``base`` (default: this process's environment) with the shim's autoload in front."""
     env = dict(os.environ if base is None else base)
     folder = os.path.dirname(os.path.dirname(AUTOLOAD))
-    for _ in range(_engine.PACKAGE.count(".")):  # a vendored copy: the folder of its top package
+    for _ in range(engine.PACKAGE.count(".")):  # a vendored copy: the folder of its top package
         folder = os.path.dirname(folder)
-    env["MCORE_CPU_SHIM_AUTOLOAD"] = f"{_engine.PACKAGE}:{folder}"
+    env["MCORE_CPU_SHIM_AUTOLOAD"] = f"{engine.PACKAGE}:{folder}"
     rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != AUTOLOAD]
     env["PYTHONPATH"] = os.pathsep.join([AUTOLOAD, *rest])
     return env

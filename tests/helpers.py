@@ -94,20 +94,20 @@ def expected_state(fix=None, target=None):
 @functools.lru_cache(maxsize=None)
 def _decided_from_source():
     """{fix: {target: (state, detail)}} for this tree, as tools/coverage.py decides it."""
-    from mcore_cpu_shim import _engine
+    from mcore_cpu_shim import engine
     from mcore_cpu_shim.fixes import BRIDGE_FIXES, FIXES
 
-    return _engine.classify_source(FIXES + (BRIDGE_FIXES if HAVE_BRIDGE else ()), megatron_source)
+    return engine.classify_source(FIXES + (BRIDGE_FIXES if HAVE_BRIDGE else ()), megatron_source)
 
 
 def upstream_fixed_here():
     """The fixes whose every target this tree's source shows fixed or not concerned."""
-    from mcore_cpu_shim import _engine
+    from mcore_cpu_shim import engine
 
     return {
         name
         for name, targets in _decided_from_source().items()
-        if _engine.combined_state({state for state, _ in targets.values()}) == _engine.UPSTREAM_FIXED
+        if engine.combined_state({state for state, _ in targets.values()}) == engine.UPSTREAM_FIXED
     }
 
 

@@ -36,7 +36,7 @@ def test_doctor_reports_host_megatron_te_and_fixes(tmp_path, monkeypatch, capsys
     assert report["torch"] == {"version": torch.__version__, "build": f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU"}
     assert report["cuda"] == {"initialised": False, "usable": False, "CUDA_VISIBLE_DEVICES": ""}
     assert report["driver_libraries"] == []
-    from mcore_cpu_shim._engine import mcore_version
+    from mcore_cpu_shim.engine import mcore_version
 
     assert report["megatron_core"]["version"] == mcore_version()
     te = report["transformer_engine"]

@@ -16,7 +16,7 @@ import pytest
 from helpers import HAVE_BRIDGE, MODE, patched_here
 from helpers import megatron_source as read
 
-from mcore_cpu_shim import _engine
+from mcore_cpu_shim import engine
 from mcore_cpu_shim.fixes import BRIDGE_FIXES, FIXES
 
 pytestmark = pytest.mark.cuda_hidden
@@ -35,20 +35,20 @@ def patched(fix_name, target):
 
 def lookup(module, qualname):
     text = read(module)
-    return None if text is None else _engine.find_definition(ast.parse(text), qualname)[0]
+    return None if text is None else engine.find_definition(ast.parse(text), qualname)[0]
 
 
 def definition(target):
     text = read(target.module)
     if text is None:
         return None
-    if target.qualname == _engine.MODULE:
-        return _engine.top_level_imports(ast.parse(text))
-    return _engine.find_definition(ast.parse(text), target.qualname)[0]
+    if target.qualname == engine.MODULE:
+        return engine.top_level_imports(ast.parse(text))
+    return engine.find_definition(ast.parse(text), target.qualname)[0]
 
 
 def decide(target, tree, strict=False):
-    state, detail, _ = _engine.classify(target, tree, lookup, strict)
+    state, detail, _ = engine.classify(target, tree, lookup, strict)
     return state, detail
 
 
@@ -60,13 +60,13 @@ def bug_statements(tree, target):
         cuda_lines = [line for line in bug.strip().splitlines() if "cuda" in line]
         for snippet in [bug.strip()] + cuda_lines[-1:]:
             holders = [
-                (len(_engine.normalise(stmt)), body, i)
+                (len(engine.normalise(stmt)), body, i)
                 for node in ast.walk(tree)
                 for field in ("body", "orelse", "finalbody")
                 for body in [getattr(node, field, None)]
                 if isinstance(body, list)
                 for i, stmt in enumerate(body)
-                if isinstance(stmt, ast.stmt) and snippet in _engine.normalise(stmt)
+                if isinstance(stmt, ast.stmt) and snippet in engine.normalise(stmt)
             ]
             if holders:
                 found.append(min(holders, key=lambda h: h[0])[1:])
@@ -158,32 +158,32 @@ def without_bug(tree, target):
 def test_synthetic_drift(fix_name, target):
     tree = definition(target)
     if tree is None:
-        assert target.absent_in is not None or _engine.INHERITED in target.known_buggy
+        assert target.absent_in is not None or engine.INHERITED in target.known_buggy
         return
     state, detail = decide(target, tree)
     if patched(fix_name, target):
         # The patched tree: the bug is gone wherever the fix concerns this release.
-        assert state in (_engine.UPSTREAM_FIXED, _engine.NOT_APPLICABLE), (state, detail)
+        assert state in (engine.UPSTREAM_FIXED, engine.NOT_APPLICABLE), (state, detail)
         return
-    if state != _engine.APPLIED:
+    if state != engine.APPLIED:
         # Fixed in this release already (e.g. YaRN's constructor from 0.15), or no such feature.
-        assert state in (_engine.UPSTREAM_FIXED, _engine.NOT_APPLICABLE), (state, detail)
+        assert state in (engine.UPSTREAM_FIXED, engine.NOT_APPLICABLE), (state, detail)
         for name, mutated in drifted(tree, target).items():
             assert decide(target, mutated)[0] == state, name
         return
     assert target.site, f"{target.name} has no site checks: drifted code would be unsupported"
     for name, mutated in drifted(tree, target).items():
         state, detail = decide(target, mutated)
-        assert state == _engine.APPLIED and detail.startswith(_engine.DRIFTED), (name, detail)
+        assert state == engine.APPLIED and detail.startswith(engine.DRIFTED), (name, detail)
         state, detail = decide(target, mutated, strict=True)
-        assert state == _engine.UNSUPPORTED and _engine.ENV_STRICT in detail, (name, detail)
+        assert state == engine.UNSUPPORTED and engine.ENV_STRICT in detail, (name, detail)
     if target.whole:  # a wrapper of the whole function: no bug site to change
         return
     state, detail = decide(target, at_site(tree, target))
-    assert state == _engine.UNSUPPORTED and "not as the fix expects" in detail, detail
+    assert state == engine.UNSUPPORTED and "not as the fix expects" in detail, detail
     state, detail = decide(target, without_bug(tree, target))
     # Where the feature sat in the bug's statement, it went with it.
-    assert state == _engine.UPSTREAM_FIXED or (target.feature and state == _engine.NOT_APPLICABLE)
+    assert state == engine.UPSTREAM_FIXED or (target.feature and state == engine.NOT_APPLICABLE)
 
 
 @pytest.mark.parametrize("fix_name, target", TARGETS, ids=IDS)
@@ -193,10 +193,10 @@ def test_every_release_passes_its_own_site_checks(fix_name, target):
         pytest.skip(f"mode {MODE}: the release's own code is patched")
     tree = definition(target)
     if tree is None or not target.site:
-        assert tree is None or _engine.INHERITED in target.known_buggy
+        assert tree is None or engine.INHERITED in target.known_buggy
         return
-    if decide(target, tree)[0] == _engine.APPLIED:
-        failed = [c.description for c in target.site if not c.holds(_engine.Code(tree, lookup))]
+    if decide(target, tree)[0] == engine.APPLIED:
+        failed = [c.description for c in target.site if not c.holds(engine.Code(tree, lookup))]
         assert not failed
 
 
@@ -206,8 +206,8 @@ YARN_APPLY = next(t for _, t in TARGETS if t.qualname == "YarnRotaryEmbedding._a
 @pytest.mark.parametrize(
     "body, expected",
     [
-        ("return super()._apply(fn)", _engine.APPLIED),
-        ("self.forward.cache_clear()\nreturn super()._apply(fn)", _engine.UPSTREAM_FIXED),
+        ("return super()._apply(fn)", engine.APPLIED),
+        ("self.forward.cache_clear()\nreturn super()._apply(fn)", engine.UPSTREAM_FIXED),
     ],
     ids=["override without memo clear", "override clearing the memo"],
 )
@@ -216,13 +216,13 @@ def test_an_override_of_upstreams_own_counts_as_fixed_only_if_it_clears_the_memo
     state, detail = decide(YARN_APPLY, statement(source))
     assert state == expected, detail
     # The class inheriting nn.Module._apply: the override is added.
-    assert decide(YARN_APPLY, None)[0] == _engine.APPLIED
+    assert decide(YARN_APPLY, None)[0] == engine.APPLIED
 
 
 def test_strict_switch_values(monkeypatch):
     for value, strict in (("", False), ("0", False), ("1", True), (" 1 ", True)):
-        monkeypatch.setenv(_engine.ENV_STRICT, value)
-        assert _engine.strict_from_env() is strict
-    monkeypatch.setenv(_engine.ENV_STRICT, "yes")
+        monkeypatch.setenv(engine.ENV_STRICT, value)
+        assert engine.strict_from_env() is strict
+    monkeypatch.setenv(engine.ENV_STRICT, "yes")
     with pytest.raises(ValueError, match="MCORE_CPU_SHIM_STRICT='yes'"):
-        _engine.strict_from_env()
+        engine.strict_from_env()

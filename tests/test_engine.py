@@ -106,7 +106,7 @@ def test_import_after_megatron_patches_loaded_modules_and_their_imported_names()
 )
 def test_disable_switch_spellings(value, disabled):
     import mcore_cpu_shim
-    from mcore_cpu_shim._engine import parse_disabled
+    from mcore_cpu_shim.engine import parse_disabled
 
     names = mcore_cpu_shim.fix_names()
     expected = set(names) if disabled == "every fix" else disabled
@@ -178,7 +178,7 @@ def _edited(tmp_path, edit):
 @SHIM_ONLY
 @NEEDS_PRELOAD_BUG
 def test_drift_away_from_the_bug_site_is_rewritten_there(tmp_path):
-    from mcore_cpu_shim._engine import DRIFTED
+    from mcore_cpu_shim.engine import DRIFTED
 
     report = run_json(
         CHECK_PRELOAD.replace(
@@ -211,7 +211,7 @@ def test_unfamiliar_code_is_left_alone_with_one_warning(tmp_path, edit, strict):
     assert not report["marked"]
     # (In strict mode, on unreleased megatron-core, other fixes warn about their drift too.)
     [warning] = [w for w in report["warnings"] if "'dcp_collective_device'" in w]
-    from mcore_cpu_shim._engine import mcore_version
+    from mcore_cpu_shim.engine import mcore_version
 
     assert f"megatron-core {mcore_version()}" in warning
     assert "Please report it at" in warning and "still assumes CUDA" in warning
@@ -264,7 +264,7 @@ def test_second_copy_of_the_package_stands_down(tmp_path):
 
 def test_every_fix_reaches_its_expected_state():
     import mcore_cpu_shim
-    from mcore_cpu_shim import _engine
+    from mcore_cpu_shim import engine
     from mcore_cpu_shim.fixes import BRIDGE_FIXES, FIXES
 
     import_every_target(mcore_cpu_shim)
@@ -279,6 +279,6 @@ def test_every_fix_reaches_its_expected_state():
     if MODE == "shim":
         # The live decision is the one tools/coverage.py makes from source alone.
         fixes = FIXES + (BRIDGE_FIXES if HAVE_BRIDGE else ())
-        static = _engine.classify_source(fixes, megatron_source)
+        static = engine.classify_source(fixes, megatron_source)
         live = {name: {t: s["state"] for t, s in status[name]["targets"].items()} for name in static}
         assert live == {name: {t: s for t, (s, _) in targets.items()} for name, targets in static.items()}

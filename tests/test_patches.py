@@ -112,14 +112,14 @@ def test_bridge_series_applies_to_bridge_main(bridge_main):
 def test_bridge_series_leaves_out_what_main_has(bridge_main):
     """The Bridge fixes without a patch are the ones the shim finds fixed on main (every target
     upstream-fixed or not applicable), read from the snapshot's source."""
-    from mcore_cpu_shim import _engine
+    from mcore_cpu_shim import engine
     from mcore_cpu_shim.fixes import BRIDGE_FIXES
 
     def read(module):
         path = bridge_main / "src" / Path(*module.split(".")).with_suffix(".py")
         return path.read_text() if path.is_file() else None
 
-    decided = _engine.classify_source(BRIDGE_FIXES, read)
+    decided = engine.classify_source(BRIDGE_FIXES, read)
     fixed = {fix for fix, targets in decided.items()
-             if all(state in (_engine.UPSTREAM_FIXED, _engine.NOT_APPLICABLE) for state, _ in targets.values())}
+             if all(state in (engine.UPSTREAM_FIXED, engine.NOT_APPLICABLE) for state, _ in targets.values())}
     assert fixed == set(BRIDGE_FIXED_ON_MAIN), decided

@@ -18,7 +18,7 @@ REPORT = """
 import importlib, importlib.metadata, json, os, tempfile
 import mcore_cpu_shim
 from mcore_cpu_shim import _demo_rank
-from mcore_cpu_shim._engine import mcore_version
+from mcore_cpu_shim.engine import mcore_version
 import megatron.core
 from megatron.core import package_info
 

@@ -7,7 +7,7 @@ release candidates included and ``.dev`` nightlies older than 0.16.1 left out, a
 Megatron-Bridge version it serves for them (pre-releases included), downloads each wheel (no
 dependencies) into the cache (default ``.coverage-wheels``, reused), reads the target modules
 out of the wheel without installing or importing it, and runs the engine's own decision
-(``_engine.classify_source``) on them: ``FIXES`` on megatron-core, ``BRIDGE_FIXES`` on
+(``engine.classify_source``) on them: ``FIXES`` on megatron-core, ``BRIDGE_FIXES`` on
 Megatron-Bridge. The upstream snapshots in ``../shared/upstream`` (when present) are read out of
 their tarballs the same way: the megatron-core ones as tools/matrix.py finds them, and the
 Megatron-Bridge main one that its ``bridge_overlay`` takes (``src/megatron/bridge/...`` inside).
@@ -34,11 +34,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 from matrix import UPSTREAM, snapshots  # noqa: E402  (where the upstream snapshots are)
-from mcore_cpu_shim import _engine  # noqa: E402
+from mcore_cpu_shim import engine  # noqa: E402
 from mcore_cpu_shim.fixes import BRIDGE_FIXES, FIXES  # noqa: E402
 
 PYTHONS = ("3.11", "3.12")
-GOOD = (_engine.APPLIED, _engine.UPSTREAM_FIXED, _engine.NOT_APPLICABLE)
+GOOD = (engine.APPLIED, engine.UPSTREAM_FIXED, engine.NOT_APPLICABLE)
 
 
 def bridge_snapshots():
@@ -159,12 +159,12 @@ def decide(project, cache):
     names = [fix.name for fix in project.fixes]
     rows, problems, record = [], [], {}
     for label, read in sources(project, cache):
-        states = _engine.classify_source(project.fixes, read)
+        states = engine.classify_source(project.fixes, read)
         record[label] = {fix: {t: list(s) for t, s in targets.items()} for fix, targets in states.items()}
         row = [label]
         for fix in names:
             targets = states[fix]
-            row.append(_engine.combined_state({state for state, _ in targets.values()}))
+            row.append(engine.combined_state({state for state, _ in targets.values()}))
             problems += [(label, target, state, detail)
                          for target, (state, detail) in targets.items() if state not in GOOD]
         rows.append(row)
@@ -173,7 +173,7 @@ def decide(project, cache):
     table([project.name] + names, rows)
     drifted = sum(
         1 for label in record for fix in record[label].values() for state, detail in fix.values()
-        if state == _engine.APPLIED and detail.startswith(_engine.DRIFTED)
+        if state == engine.APPLIED and detail.startswith(engine.DRIFTED)
     )
     print(f"\n{project.name}: {len(rows)} trees; targets applied on drifted code (site checks): {drifted}")
     for label, target, state, detail in problems:

@@ -33,37 +33,24 @@ the device expression occurs once and ``torch.cuda`` is used for nothing else.
 import contextlib
 import functools
 import operator
-import sys
 
-from .._engine import Fix, Target, cuda_attributes, occurs, rewriting
+from ..engine import Fix, Target, cuda_attributes, occurs, rewriting
+from .common import buffer_device, cuda_or, cuda_usable  # noqa: F401  (buffer_device: reached by the rewrite)
 
 _UTILS = "megatron.core.utils"
 _TRANSFORMER_UTILS = "megatron.core.transformer.utils"
 
 
-def _cuda_usable():
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def buffer_device():
-    """The buffer's device in drifted code: the current CUDA device, or the CPU without CUDA."""
-    import torch
-
-    return torch.cuda.current_device() if _cuda_usable() else "cpu"
-
-
 def mask_device():
     """The masks' device in drifted code: ``'cuda'``, or the CPU without CUDA."""
-    return "cuda" if _cuda_usable() else "cpu"
+    return "cuda" if cuda_usable() else "cpu"
 
 
 def _get_tensor(original, module):
     import torch
 
     def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-        if _cuda_usable():
+        if cuda_usable():
             return original(self, tensor_shape, dtype, name, mem_alloc_context)
         required_len = functools.reduce(operator.mul, tensor_shape, 1)
         current = self.buffer.get((name, dtype), None)
@@ -88,14 +75,7 @@ def _default_causal_mask(original, module):
     def on_cpu(sq):
         return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
 
-    on_cpu = _memoised_like(original, on_cpu)
-
-    def get_default_causal_mask(sq):
-        if _cuda_usable():
-            return original(sq)
-        return on_cpu(sq)
-
-    return get_default_causal_mask
+    return cuda_or(original, _memoised_like(original, on_cpu))
 
 
 def _sliding_window_causal_mask(original, module):
@@ -107,19 +87,11 @@ def _sliding_window_causal_mask(original, module):
         ml = torch.tril(mu, diagonal=skv - sq + window_size[1])
         return ~ml
 
-    on_cpu = _memoised_like(original, on_cpu)
-
-    def get_sliding_window_causal_mask(sq, skv, window_size):
-        if _cuda_usable():
-            return original(sq, skv, window_size)
-        return on_cpu(sq, skv, window_size)
-
-    return get_sliding_window_causal_mask
+    return cuda_or(original, _memoised_like(original, on_cpu))
 
 
-_HERE = sys.modules[__name__]
 _MASK_SITE = (occurs("device='cuda'"), occurs("'cuda'"), cuda_attributes())
-_MASK_REWRITE = rewriting(_HERE, {"'cuda'": "_mcore_cpu_shim.mask_device()"})
+_MASK_REWRITE = rewriting(__name__, {"'cuda'": "_mcore_cpu_shim.mask_device()"})
 
 FIX = Fix(
     name="attention_buffers_device",
@@ -137,7 +109,7 @@ FIX = Fix(
                 occurs("torch.cuda.current_device()"),
                 cuda_attributes("current_device"),
             ),
-            drift=rewriting(_HERE, {"torch.cuda.current_device()": "_mcore_cpu_shim.buffer_device()"}),
+            drift=rewriting(__name__, {"torch.cuda.current_device()": "_mcore_cpu_shim.buffer_device()"}),
         ),
         Target(
             module=_TRANSFORMER_UTILS,

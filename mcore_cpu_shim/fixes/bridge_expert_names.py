@@ -21,9 +21,8 @@ the global number ``experts per rank * EP rank + N``, as the original gives TE's
 come out as before, so a GPU conversion is unchanged.
 """
 
-import sys
 
-from .._engine import Fix, Target, occurs, rewriting, takes
+from ..engine import Fix, Target, occurs, rewriting, takes
 
 READ = "int(self.megatron_param.split(key)[-1])"
 GROUPED_ONLY = "'.mlp.experts.linear_fc' in param_name"
@@ -38,7 +37,7 @@ def expert_number(name: str, key: str) -> int:
 
 
 _rewrite = rewriting(
-    sys.modules[__name__],
+    __name__,
     {READ: "_mcore_cpu_shim.expert_number(self.megatron_param, key)"},
 )
 

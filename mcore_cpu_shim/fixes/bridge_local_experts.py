@@ -25,7 +25,7 @@ local names under expert parallelism are ``bridge_expert_names``'s part.
 
 import re
 
-from .._engine import Fix, Target, occurs
+from ..engine import Fix, Target, occurs
 
 GROUPED = re.compile(r"^(?P<experts>.*\.experts)\.linear_fc(?P<n>[12])\.weight\*$")
 # What patches/bridge/0005 calls in MegatronMappingRegistry.__init__.

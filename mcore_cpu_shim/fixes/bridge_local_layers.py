@@ -32,7 +32,7 @@ Where TE is usable nothing changes.
 import importlib.util
 import logging
 
-from .._engine import Fix, Target, occurs, takes
+from ..engine import Fix, Target, occurs, takes
 
 logger = logging.getLogger("mcore_cpu_shim")
 

@@ -15,9 +15,8 @@ host starts exactly the group it started before. A caller that made its own grou
 not affected on any host (the branch is not taken).
 """
 
-import sys
 
-from .._engine import Fix, Target, cuda_attributes, occurs, rewriting
+from ..engine import Fix, Target, cuda_attributes, occurs, rewriting
 
 SET_DEVICE = "torch.cuda.set_device(get_local_rank_preinit())"
 INIT = "torch.distributed.init_process_group('nccl')"
@@ -39,7 +38,7 @@ def backend():
 
 
 _rewrite = rewriting(
-    sys.modules[__name__],
+    __name__,
     {
         SET_DEVICE: "_mcore_cpu_shim.set_device(get_local_rank_preinit())",
         INIT: "torch.distributed.init_process_group(_mcore_cpu_shim.backend())",

@@ -13,9 +13,8 @@ a checkpoint written with ``save_rng=True`` on a CPU host says ``None`` where th
 and resuming from it on a GPU needs ``--no-load-rng`` (as for any checkpoint without RNG state).
 """
 
-import sys
 
-from .._engine import Fix, Target, cuda_attributes, occurs, rewriting
+from ..engine import Fix, Target, cuda_attributes, occurs, rewriting
 
 READ = "torch.cuda.get_rng_state()"
 
@@ -28,7 +27,7 @@ def cuda_rng_state():
 
 
 _rewrite = rewriting(
-    sys.modules[__name__], {READ: "_mcore_cpu_shim.cuda_rng_state()"}
+    __name__, {READ: "_mcore_cpu_shim.cuda_rng_state()"}
 )
 
 FIX = Fix(

@@ -18,7 +18,7 @@ This is a module target: the import runs while the module is imported, so the en
 the module from its source with only that statement replaced (every other line is Bridge's).
 """
 
-from .._engine import MODULE, Fix, Target, occurs
+from ..engine import MODULE, Fix, Target, occurs
 
 STATEMENT = "import transformer_engine.pytorch as te"
 

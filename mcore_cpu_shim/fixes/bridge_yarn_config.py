@@ -20,9 +20,8 @@ Megatron-Bridge main declares the settings as fields of ``GPTModelProvider`` (so
 written and read like any other): upstream-fixed there.
 """
 
-import sys
 
-from .._engine import Fix, Target, declares, occurs, rewriting, takes
+from ..engine import Fix, Target, declares, occurs, rewriting, takes
 
 # The provider attributes model bridges set for YaRN (model_bridge.YARN_ROPE_SCALING_MAPPING
 # and GPTOSSBridge.provider_bridge).
@@ -76,7 +75,7 @@ def instantiate_provider(instantiate, section):
 
 
 _rewrite = rewriting(
-    sys.modules[__name__],
+    __name__,
     {INSTANTIATE: "_mcore_cpu_shim.instantiate_provider(instantiate, run_config['model'])"},
 )
 

@@ -32,10 +32,9 @@ releases, ``torch.cuda`` is used for nothing else, and the finalize broadcasts i
 ``dist_wrapper.group`` (whose device it takes) while the async calls reduce in the default group.
 """
 
-import sys
 from time import time
 
-from .._engine import Fix, Target, cuda_attributes, normalised_source, occurs, rewriting, takes
+from ..engine import Fix, Target, cuda_attributes, normalised_source, occurs, rewriting, takes
 
 
 def collective_device(group):
@@ -190,7 +189,6 @@ def _maybe_finalize_async_calls(original, module):
 
 
 _STRATEGIES = "megatron.core.dist_checkpointing.strategies"
-_HERE = sys.modules[__name__]
 _SYNCHRONIZE = {"torch.cuda.synchronize()": "_mcore_cpu_shim.synchronize_if_initialized()"}
 _SYNCHRONIZE_SITE = (occurs("torch.cuda.synchronize()"), cuda_attributes("synchronize"))
 _DEFAULT_GROUP_DEVICE = {"torch.cuda.current_device()": "_mcore_cpu_shim.collective_device(None)"}
@@ -213,7 +211,7 @@ FIX = Fix(
             bug=("if non_blocking:\ntorch.cuda.synchronize()",),
             replacement=_preload_tensors,
             site=(occurs("if non_blocking:\ntorch.cuda.synchronize()"), *_SYNCHRONIZE_SITE),
-            drift=rewriting(_HERE, _SYNCHRONIZE),
+            drift=rewriting(__name__, _SYNCHRONIZE),
         ),
         Target(
             module=f"{_STRATEGIES}.state_dict_saver",
@@ -231,7 +229,7 @@ FIX = Fix(
                 cuda_attributes("current_device"),
             ),
             drift=rewriting(
-                _HERE,
+                __name__,
                 {"torch.cuda.current_device()": "_mcore_cpu_shim.collective_device(dist_wrapper.group)"},
             ),
         ),
@@ -242,7 +240,7 @@ FIX = Fix(
             bug=("start_sync = time()\ntorch.cuda.synchronize()",),
             replacement=_schedule_async_call,
             site=_SYNCHRONIZE_SITE,
-            drift=rewriting(_HERE, _SYNCHRONIZE),
+            drift=rewriting(__name__, _SYNCHRONIZE),
         ),
         Target(
             module=f"{_STRATEGIES}.async_utils",
@@ -251,7 +249,7 @@ FIX = Fix(
             bug=("device=torch.cuda.current_device()",),
             replacement=_sync_all_async_calls,
             site=_DEFAULT_GROUP_SITE,
-            drift=rewriting(_HERE, _DEFAULT_GROUP_DEVICE),
+            drift=rewriting(__name__, _DEFAULT_GROUP_DEVICE),
         ),
         Target(
             module=f"{_STRATEGIES}.async_utils",
@@ -260,7 +258,7 @@ FIX = Fix(
             bug=("device=torch.cuda.current_device()",),
             replacement=_maybe_finalize_async_calls,
             site=_DEFAULT_GROUP_SITE,
-            drift=rewriting(_HERE, _DEFAULT_GROUP_DEVICE),
+            drift=rewriting(__name__, _DEFAULT_GROUP_DEVICE),
         ),
     ),
 )

@@ -21,18 +21,13 @@ checks make sure the probe still asks ``get_device_properties`` once and still a
 ``False`` when asking fails. megatron-core 0.13 … 0.19 have no such module: not-applicable.
 """
 
-from .._engine import Fix, Target, cuda_attributes, occurs
+from ..engine import Fix, Target, cuda_attributes, occurs
+from .common import cuda_or
 
 
 def _check_shared_mem(original, module):
-    import torch
-
-    def check_shared_mem(*args, **kwargs):
-        if not torch.cuda.is_available():
-            return False  # upstream's answer when the device cannot be asked
-        return original(*args, **kwargs)
-
-    return check_shared_mem
+    # Without CUDA: upstream's answer when the device cannot be asked.
+    return cuda_or(original, lambda *args, **kwargs: False)
 
 
 FIX = Fix(

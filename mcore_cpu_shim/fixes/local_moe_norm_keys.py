@@ -37,7 +37,7 @@ builds one keys map with the entry.
 
 import inspect
 
-from .._engine import Fix, Target, occurs, takes
+from ..engine import Fix, Target, occurs, takes
 
 PRE_MLP_NORM = "pre_mlp_layernorm."
 

@@ -45,7 +45,7 @@ So the values are unchanged: on a GPU with TE the spec is TE's and the rotary ca
 upstream's unless ``use_cpu_initialization`` is set, and then the embedding is computed on the
 GPU as ``GPTModel``'s is. On the CPU the attention is upstream's local computation.
 
-Form: the live constructor is rewritten at three expressions (``_engine.rewrite``:
+Form: the live constructor is rewritten at three expressions (``engine.rewrite``:
 ``RotaryEmbedding`` and ``YarnRotaryEmbedding`` -> ``cpu_initialised(<class>, self.config)``,
 ``submodules.core_attention`` -> ``core_attention(submodules.core_attention)``), and at
 ``HAVE_TE`` -> ``te_classes(HAVE_TE, TELinear)`` where it occurs (0.14 on), on known and
@@ -62,9 +62,8 @@ to fix that line too.)
 """
 
 import functools
-import sys
 
-from .._engine import Check, Fix, Target, occurs, other_takes, rewrite
+from ..engine import Check, Fix, Target, occurs, other_takes, rewrite
 
 _MODULE = "megatron.core.transformer.multi_latent_attention"
 _EMBEDDINGS = "megatron.core.models.common.embeddings"
@@ -133,7 +132,6 @@ def _fixed_upstream(code):
     return FLAG in code.text and tree is not None and set(_CHANNELS) <= set(code.parameters(tree))
 
 
-_HERE = sys.modules[__name__]
 _REPLACEMENTS = {
     "RotaryEmbedding": "_mcore_cpu_shim.cpu_initialised(RotaryEmbedding, self.config)",
     "YarnRotaryEmbedding": "_mcore_cpu_shim.cpu_initialised(YarnRotaryEmbedding, self.config)",
@@ -143,12 +141,12 @@ _TE_CHECK = {"HAVE_TE": "_mcore_cpu_shim.te_classes(HAVE_TE, TELinear)"}
 
 
 def _REWRITE(original, module):
-    from .._engine import normalised_source
+    from ..engine import normalised_source
 
     replacements = dict(_REPLACEMENTS)
     if "HAVE_TE" in normalised_source(original):
         replacements.update(_TE_CHECK)
-    return rewrite(original, replacements, _HERE)
+    return rewrite(original, replacements, __name__)
 
 FIX = Fix(
     name="mla_cpu_build",

@@ -61,7 +61,7 @@ defaults none of them is reached.
 
 import types
 
-from .._engine import Fix, Target, cuda_attributes, occurs, uses_only
+from ..engine import Fix, Target, cuda_attributes, occurs, uses_only
 
 
 class _HostCuda:

@@ -49,9 +49,8 @@ import contextlib
 import functools
 import importlib
 import inspect
-import sys
 
-from .._engine import Check, Fix, Target, cuda_attributes, occurs, rewrite, rewriting, takes
+from ..engine import Check, Fix, Target, cuda_attributes, occurs, rewrite, rewriting, takes
 
 _ROUTER = "megatron.core.transformer.moe.router"
 _DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
@@ -225,9 +224,6 @@ def _all_to_all_forward(original, module):
     return forward
 
 
-_HERE = sys.modules[__name__]
-
-
 def _only_allocations(*forms):
     """Every ``torch.cuda.current_device()`` is the device of one of ``forms``."""
     call = "torch.cuda.current_device()"
@@ -243,7 +239,7 @@ def _device_of(parameter):
 
 def _drifted_gating(original, module):
     _bind_te_general_gemm()
-    return rewrite(original, _device_of("input"), _HERE)
+    return rewrite(original, _device_of("input"), __name__)
 
 
 _DTOH = "self.cuda_dtoh_stream"
@@ -283,7 +279,7 @@ FIX = Fix(
                 cuda_attributes("current_stream", "stream"),
             ),
             drift=rewriting(
-                _HERE,
+                __name__,
                 {
                     "torch.cuda.current_stream()": f"_mcore_cpu_shim.current_stream({_DTOH})",
                     f"torch.cuda.stream({_DTOH})": f"_mcore_cpu_shim.stream({_DTOH})",
@@ -304,7 +300,7 @@ FIX = Fix(
                 _only_allocations("device=torch.cuda.current_device())"),
                 cuda_attributes("current_device"),
             ),
-            drift=rewriting(_HERE, _device_of("input_")),
+            drift=rewriting(__name__, _device_of("input_")),
         ),
         Target(
             module=_MAPPINGS,
@@ -317,7 +313,7 @@ FIX = Fix(
                 _only_allocations("device=torch.cuda.current_device())"),
                 cuda_attributes("current_device"),
             ),
-            drift=rewriting(_HERE, _device_of("input")),
+            drift=rewriting(__name__, _device_of("input")),
         ),
     ),
 )

@@ -25,7 +25,7 @@ and ``fork`` still refuses a name it does not know.
 
 import contextlib
 
-from .._engine import Fix, Target, occurs, takes
+from ..engine import Fix, Target, occurs, takes
 
 # How patch 0009 (and, we expect, upstream) branches: the methods handle the CPU themselves.
 NO_CUDA = "if not torch.cuda.is_available():"

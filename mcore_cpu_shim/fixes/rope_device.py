@@ -61,8 +61,8 @@ frequencies moved to the GPU, as before: a CPU forward needs CUDA hidden
 (``CUDA_VISIBLE_DEVICES=""``).
 
 Form: every release (known or drifted code alike) gets its live function rewritten at the one
-bug expression (``_engine.rewrite``: ``torch.cuda.current_device()`` -> ``frequency_device(self)``
-in ``forward``/``get_emb``, -> ``buffer_device()`` (``attention_buffers_device``'s) in M-RoPE's
+bug expression (``engine.rewrite``: ``torch.cuda.current_device()`` -> ``frequency_device(self)``
+in ``forward``/``get_emb``, -> ``buffer_device()`` (``fixes.common``) in M-RoPE's
 constructor), so every other line is upstream's (``forward``'s ``lru_cache`` is kept, with a memo of its own), tracebacks point into
 megatron-core's file, and drifted code keeps what upstream changed around the spot. The site
 checks make sure the expression occurs once, in the statement the rewrite expects, that
@@ -71,10 +71,9 @@ computes on the frequencies' device. Upstream code that asks ``torch.cuda.is_ava
 (as patch 0010 does) reads fixed.
 """
 
-import sys
 
-from .._engine import Check, Fix, Target, cuda_attributes, normalise, occurs, rewriting
-from .attention_buffers_device import buffer_device  # noqa: F401  (reached by the rewrite)
+from ..engine import Check, Fix, Target, cuda_attributes, normalise, occurs, rewriting
+from .common import buffer_device  # noqa: F401  (reached by the rewrite)
 
 _MODULE = "megatron.core.models.common.embeddings.rotary_pos_embedding"
 # How patch 0010 (and, we expect, upstream) fixes both spots: it asks before using CUDA.
@@ -98,8 +97,7 @@ def _positions_follow_the_frequencies(code):
     return "device=self.inv_freq.device" in text and "torch.cuda" not in text
 
 
-_HERE = sys.modules[__name__]
-_MOVE_REWRITE = rewriting(_HERE, {BUG: "_mcore_cpu_shim.frequency_device(self)"})
+_MOVE_REWRITE = rewriting(__name__, {BUG: "_mcore_cpu_shim.frequency_device(self)"})
 _MOVE = (
     occurs("if self.inv_freq.device.type == 'cpu':\n"),
     occurs(f"self.inv_freq = self.inv_freq.to(device={BUG})\n"),
@@ -112,9 +110,9 @@ _MOVE = (
         _positions_follow_the_frequencies,
     ),
 )
-# M-RoPE's constructor makes its frequencies on attention_buffers_device.buffer_device(): the
+# M-RoPE's constructor makes its frequencies on common.buffer_device(): the
 # current CUDA device where CUDA is available (upstream), else the CPU.
-_INIT_REWRITE = rewriting(_HERE, {BUG: "_mcore_cpu_shim.buffer_device()"})
+_INIT_REWRITE = rewriting(__name__, {BUG: "_mcore_cpu_shim.buffer_device()"})
 
 FIX = Fix(
     name="rope_device",

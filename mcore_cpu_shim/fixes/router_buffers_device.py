@@ -23,7 +23,7 @@ CUDA available the expression is ``torch.cuda.current_device()`` exactly as befo
 run makes the same zeros on the same device. Values cannot differ anyway: every buffer starts
 as zeros, and the persistent ones are overwritten by the checkpoint.
 
-Form: the live constructor is rewritten at the bug expression (``_engine.rewrite``:
+Form: the live constructor is rewritten at the bug expression (``engine.rewrite``:
 ``torch.cuda.current_device()`` -> ``buffer_device()``), on known and drifted code alike, so
 every other line is upstream's and tracebacks point into megatron-core's file. The site checks
 make sure every use of the expression is a ``device=`` argument and that ``torch.cuda`` is used
@@ -31,12 +31,11 @@ for nothing else. Code that asks ``torch.cuda.is_available()`` there (as patch 0
 fixed; 0.13.0rc0 ... 0.15.0rc2, which name no device, read upstream-fixed.
 """
 
-import sys
 
-from .._engine import Check, Fix, Target, cuda_attributes, rewriting
+from ..engine import Check, Fix, Target, cuda_attributes, rewriting
 # The current CUDA device where CUDA is available (upstream), else the CPU: the same answer as
 # for the attention buffers, one definition.
-from .attention_buffers_device import buffer_device  # noqa: F401  (reached by the rewrite)
+from .common import buffer_device  # noqa: F401  (reached by the rewrite)
 
 _MODULE = "megatron.core.transformer.moe.router"
 # How patch 0011 (and, we expect, upstream) fixes it: it asks before using CUDA.
@@ -44,8 +43,7 @@ NO_CUDA = "torch.cuda.is_available()"
 BUG = "torch.cuda.current_device()"
 
 
-_HERE = sys.modules[__name__]
-_REWRITE = rewriting(_HERE, {BUG: "_mcore_cpu_shim.buffer_device()"})
+_REWRITE = rewriting(__name__, {BUG: "_mcore_cpu_shim.buffer_device()"})
 
 FIX = Fix(
     name="router_buffers_device",

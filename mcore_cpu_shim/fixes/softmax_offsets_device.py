@@ -44,7 +44,7 @@ Transformer Engine, which creates its own offset; TE modules cannot be built wit
 import ast
 import copy
 
-from .._engine import Check, Fix, Target, occurs
+from ..engine import Check, Fix, Target, occurs
 
 
 def _dot_product_attention_init(original, module):

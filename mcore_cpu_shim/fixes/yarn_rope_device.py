@@ -66,9 +66,8 @@ changed, so the live functions are rewritten at the bug expressions instead:
 """
 
 import functools
-import sys
 
-from .._engine import (
+from ..engine import (
     INHERITED,
     Fix,
     Target,
@@ -342,7 +341,6 @@ def _apply_override(original, module):
     return _apply
 
 
-_HERE = sys.modules[__name__]
 _MOVES = (
     occurs("self.inv_freq_extra = self.inv_freq_extra.to(device=torch.cuda.current_device())\n"),
     occurs("self.inv_freq_inter = self.inv_freq_inter.to(device=torch.cuda.current_device())\n"),
@@ -351,7 +349,7 @@ _MOVES = (
     cuda_attributes("current_device"),
 )
 _MOVES_REWRITE = rewriting(
-    _HERE, {"torch.cuda.current_device()": "_mcore_cpu_shim.table_device(self)"}
+    __name__, {"torch.cuda.current_device()": "_mcore_cpu_shim.table_device(self)"}
 )
 
 FIX = Fix(
@@ -376,7 +374,7 @@ FIX = Fix(
                 ),
             ),
             drift=rewriting(
-                _HERE,
+                __name__,
                 {_POSITIONAL_BASE_CALL: f"_mcore_cpu_shim.init_base(super(), {', '.join(_BASE_ARGUMENTS)})"},
             ),
         ),
