@@ -201,7 +201,7 @@ def test_bridge_demo_past_the_sliding_window():
         assert logits["first_position_off"] == 32  # the first token whose window excludes one
 
 
-# The family matrix (README "Model families"): every family Bridge converts
+# The family matrix (docs/support.md "Model families"): every family Bridge converts
 # (hf_models.BRIDGE_FAMILIES) but the default run's GPT-OSS, converted on one rank; what its HF
 # model is, and how many tensors it has (Mixtral: tests/test_family_mixtral.py).
 FAMILIES = {
