@@ -1,14 +1,11 @@
 """dcp_collective_device: dist_checkpointing.save/load with CUDA absent, and unchanged with CUDA."""
 
-import importlib
 import io
 
 import pytest
 from helpers import (
     MCORE_VERSION,
-    MODE,
     assert_same_tensors,
-    expected_state,
     init_gloo,
     needs_unfixed,
     run_without_fix,
@@ -31,23 +28,6 @@ def writer_class():
 def buckets(*tensors_):
     payload = [("bytes-item", io.BytesIO(b"payload"))]
     return [("file_0", "key_0", (payload, [(f"item_{i}", t) for i, t in enumerate(tensors_)]))]
-
-
-@pytest.mark.cuda_hidden
-def test_fix_state_matches_mode():
-    import mcore_cpu_shim
-
-    fix = mcore_cpu_shim.status()[FIX]
-    for target in fix["targets"]:
-        importlib.import_module(target.split(":")[0])
-    fix = mcore_cpu_shim.status()[FIX]
-    assert fix["state"] == expected_state("dcp_collective_device"), fix
-    if MODE != "patched" and MCORE_VERSION < (0, 14):
-        # 0.13 has no failure-flag broadcast to fix.
-        assert fix["targets"][FINALIZE]["state"] == "not-applicable", fix
-    else:
-        assert fix["targets"][FINALIZE]["state"] == expected_state("dcp_collective_device", FINALIZE), fix
-    assert fix["targets"][PRELOAD]["state"] == expected_state("dcp_collective_device", PRELOAD), fix
 
 
 @pytest.mark.cuda_hidden

@@ -1,12 +1,10 @@
 """local_moe_norm_keys: a local-spec checkpoint has the norm keys the Transformer Engine model asks for."""
 
-import importlib
 
 import pytest
 from helpers import (
     MCORE_VERSION,
     assert_same_tensors,
-    expected_state,
     init_gloo,
     needs_unfixed,
     run_without_fix,
@@ -111,20 +109,6 @@ def block_gpt(seed, moe_layer_freq):
     )
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
     return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=16)
-
-
-@pytest.mark.cuda_hidden
-def test_fix_state_matches_mode():
-    import mcore_cpu_shim
-
-    importlib.import_module(MODULE)
-    fix = mcore_cpu_shim.status()[FIX]
-    assert fix["state"] == expected_state("local_moe_norm_keys"), fix
-    targets = fix["targets"]
-    builder = f"{MODULE}:{BUILDER}"
-    assert targets[builder]["state"] == expected_state("local_moe_norm_keys", builder), targets
-    other = "get_gpt_layer_local_spec" if MCORE_VERSION >= (0, 17) else "get_gpt_layer_local_submodules"
-    assert targets[f"{MODULE}:{other}"]["state"] in ("not-applicable", "disabled"), targets
 
 
 @pytest.mark.cuda_hidden

@@ -9,7 +9,6 @@ from helpers import (
     MCORE_VERSION,
     MODE,
     cpu_logits,
-    expected_state,
     inference_rng_tracker,
     init_gloo,
     needs_unfixed,
@@ -110,27 +109,6 @@ def assert_same(expected, actual):
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
     assert actual.device == expected.device
     assert torch.equal(actual, expected)
-
-
-@pytest.mark.cuda_hidden
-def test_fix_state_matches_mode():
-    import mcore_cpu_shim
-
-    rope_module()
-    fix = mcore_cpu_shim.status()[FIX]
-    assert fix["state"] == expected_state(FIX), fix
-    if MODE == "shim":
-        states = {name.split(":")[1]: t["state"] for name, t in fix["targets"].items()}
-        computes_in_forward = MCORE_VERSION < (0, 16)
-        assert states == {
-            "RotaryEmbedding.forward": expected_state(FIX, f"{MODULE}:RotaryEmbedding.forward")
-            if computes_in_forward
-            else "not-applicable",
-            "RotaryEmbedding.get_emb": "not-applicable"
-            if computes_in_forward
-            else expected_state(FIX, f"{MODULE}:RotaryEmbedding.get_emb"),
-            "MultimodalRotaryEmbedding.__init__": expected_state(FIX, MROPE_TARGET),
-        }, fix
 
 
 @pytest.mark.cuda_hidden

@@ -6,7 +6,7 @@ import math
 import os
 
 import pytest
-from helpers import MCORE_VERSION, MODE, expected_state, needs_unfixed, upstream_fixed
+from helpers import MCORE_VERSION, MODE, needs_unfixed, upstream_fixed
 
 FIX = "yarn_rope_device"
 MODULE = "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding"
@@ -95,25 +95,6 @@ def assert_same(expected, actual):
 
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
     assert torch.equal(actual, expected)
-
-
-@pytest.mark.cuda_hidden
-def test_fix_state_matches_mode():
-    import mcore_cpu_shim
-
-    importlib.import_module(MODULE)
-    fix = mcore_cpu_shim.status()[FIX]
-    assert fix["state"] == expected_state("yarn_rope_device"), fix
-    if MODE == "shim":
-        states = {name.rsplit(".", 1)[1]: t["state"] for name, t in fix["targets"].items()}
-        computes_in_forward = MCORE_VERSION < (0, 16)  # from 0.16 on, in get_emb
-        applied = {name: expected_state(FIX, f"{MODULE}:YarnRotaryEmbedding.{name}") for name in states}
-        assert states == {
-            "__init__": applied["__init__"] if MCORE_VERSION < (0, 15) else "upstream-fixed",
-            "forward": applied["forward"] if computes_in_forward else "not-applicable",
-            "get_emb": "not-applicable" if computes_in_forward else applied["get_emb"],
-            "_apply": applied["_apply"],
-        }, fix
 
 
 @pytest.mark.cuda_hidden

@@ -262,7 +262,7 @@ def run_mode(version, mode, trees, pytest_args, once=False):
         # end-to-end runs (forward, multi-rank save, demo); the rest does not depend on them.
         fix_tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*_device.py"))
         paths = fix_tests + ["tests/test_local_moe_norm_keys.py", "tests/test_mla_cpu_build.py",
-                             "tests/test_engine.py", "tests/test_cpu_forward.py", "tests/test_multirank.py",
+                             "tests/test_fix_states.py", "tests/test_engine.py", "tests/test_cpu_forward.py", "tests/test_multirank.py",
                              "tests/test_demo.py"]
     else:
         paths = ["tests"]
