@@ -40,11 +40,12 @@ def importtime(python, modules, env):
     if result.returncode != 0:
         raise SystemExit(f"import {', '.join(modules)} failed:\n{result.stderr[-4000:]}")
     lines = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
+    top = {f" {m}": m for m in modules}  # a top line: the name after one space, not indented
     found = {}
     for line in lines:
         _, cumulative, name = line.split("|")
-        if name.rstrip().lstrip() in modules and name.rstrip() == f" {name.strip()}":  # a top line
-            found[name.strip()] = int(cumulative)
+        if name.rstrip() in top:
+            found[top[name.rstrip()]] = int(cumulative)
     missing = [m for m in modules if m not in found]
     if missing:
         raise SystemExit(f"no -X importtime line for {missing}:\n{result.stderr[-4000:]}")

@@ -6,7 +6,7 @@ Switch fixes off with ``MCORE_CPU_SHIM_DISABLE=name[,name]`` or ``all``. The imp
 installs the Transformer Engine import guard (``MCORE_CPU_SHIM_TE=auto|block|off``, see
 ``_te_guard``).
 
-The import itself is kept light (a few milliseconds, ``benchmarks/bench_import.py``): the fix
+The import itself is kept light (about 2 % of ``import torch``, ``benchmarks/bench_import.py``): the fix
 modules are loaded by the first import of ``megatron`` (before any target module can be
 imported; right away if megatron is imported already, or when ``status()``, ``fix_names()`` or
 the fix lists are asked for), and the tripwire when ``forbid_cuda`` is first used.

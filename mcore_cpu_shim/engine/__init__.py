@@ -61,4 +61,4 @@ from .source import (
     top_level_imports,
     uses_only,
 )
-from .._mcore_tree import mcore_version, module_file, project  # noqa: E402,F401
+from .._mcore_tree import mcore_version  # noqa: E402,F401  (doctor, tests)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 
-from .records import MARKER, PACKAGE
+from .records import MARKER, PACKAGE, PENDING
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ class ModuleFinder:
 
     def find_spec(self, name, path=None, target=None):
         entries = self.entries.get(name)
-        if not entries or all(t.state != "pending" for _, t in entries):
+        if not entries or all(t.state != PENDING for _, t in entries):
             return None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
