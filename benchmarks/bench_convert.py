@@ -1,9 +1,9 @@
 """Benchmark (not a test): what ``mcore-cpu-shim convert import`` costs, against the floor.
 
 The conversion users run: a Llama-like Hugging Face model folder (random bfloat16 weights in
-safetensors shards, written locally by ``mcore_cpu_shim.hf_models``) converted to a Megatron
+safetensors shards, written locally by ``mcore_cpu_shim.app.hf_models``) converted to a Megatron
 ``torch_dist`` checkpoint with ``--verify``, by the ranks of ``mcore-cpu-shim convert``
-(``convert.check``, ``start_ranks``, ``supervise``; Megatron-Bridge's public API in a fresh
+(``convert.check``, ``launch.start_ranks``, ``launch.supervise``; Megatron-Bridge's public API in a fresh
 process with CUDA hidden, the shim active). Per phase, the wall time and the peak RSS:
 
   start + imports   process start, the shim, torch, megatron-core, Megatron-Bridge, transformers,
@@ -66,7 +66,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 # First, before torch (a measured process imports torch later): the shim is active from here on.
-from mcore_cpu_shim._convert_rank import Phases  # noqa: E402
+from mcore_cpu_shim.app.worker import Phases  # noqa: E402
 
 # Llama-like shapes (hf_models' "llama" family with these overrides), untied embeddings and a
 # 32000-word vocabulary throughout: 0.5B of our own, 1B as TinyLlama-1.1B, 3B as Llama-3.2-3B.
@@ -138,15 +138,15 @@ def _private_bytes(process):
 
 
 class MeasuredPhases(Phases):
-    """``_convert_rank.Phases`` whose end records also hold the phase's peak memory, in bytes:
+    """``worker.Phases`` whose end records also hold the phase's peak memory, in bytes:
     ``rss_peak`` (this process: VmHWM, exact), ``children_peak`` (the sum of its children's
     private memory, sampled every ``interval`` seconds), ``peak`` (their sum: an upper bound of
     the two at the same time) and ``rss_end``. The phase "imports" starts at once."""
 
-    def __init__(self, events_path, interval=0.25):
+    def __init__(self, events_path, strict=False, interval=0.25):
         import psutil
 
-        super().__init__(events_path)
+        super().__init__(events_path, strict=strict)
         self.me, self.interval = psutil.Process(), interval
         self.exact = _reset_high_water_mark()  # else this process's RSS is sampled as well
         self.lock = threading.Lock()
@@ -183,9 +183,9 @@ class MeasuredPhases(Phases):
 
 
 def rank_main(spec_path, rank):
-    """One rank of the conversion: ``_convert_rank.main`` with the imports as a phase of
-    their own and ``MeasuredPhases``."""
-    from mcore_cpu_shim import _convert_rank
+    """One rank of the conversion: ``worker.main`` with the imports as a phase of their own
+    and ``MeasuredPhases``."""
+    from mcore_cpu_shim.app import convert_worker, worker
 
     def run(spec, rank, phases):
         import torch  # noqa: F401
@@ -201,9 +201,9 @@ def rank_main(spec_path, rank):
                 return save(self, *args, **dict(kwargs, low_memory_save=False))
 
             AutoBridge.save_megatron_model = save_megatron_model
-        _convert_rank.run_import(spec, rank, phases)  # its first phase ends "imports"
+        convert_worker.run_import(spec, rank, phases)  # its first phase ends "imports"
 
-    _convert_rank.main(spec_path, rank, run=run, phases_class=MeasuredPhases)
+    worker.main(spec_path, rank, run, phases_class=MeasuredPhases)
 
 
 def floor_main(kind, hf, out, events_path):
@@ -234,7 +234,7 @@ def floor_main(kind, hf, out, events_path):
 
 def write_main(size, folder):
     """Write the model of ``size`` to ``folder``; first a JSON line with its parameter count."""
-    from mcore_cpu_shim import hf_models
+    from mcore_cpu_shim.app import hf_models
 
     print(json.dumps({"parameters": parameter_count(hf_models.config("llama", **SIZES[size]))}), flush=True)
     hf_models.write("llama", folder, dtype="bfloat16", seed=0, **SIZES[size])
@@ -246,7 +246,7 @@ def write_main(size, folder):
 def environment():
     """The environment of every measured process: the ranks' own (CUDA hidden, this package
     importable, the cores shared out) for one rank."""
-    from mcore_cpu_shim.convert import rank_environment
+    from mcore_cpu_shim.app.launch import rank_environment
 
     return rank_environment(1)
 
@@ -265,9 +265,8 @@ def phase_table(events, spawned):
 
 
 def run_convert(hf, out, folder, stream, plain_save=False):
-    from mcore_cpu_shim import cli, convert
-    from mcore_cpu_shim._convert_rank import phases_of
-    from mcore_cpu_shim.demo import _read_events
+    from mcore_cpu_shim.app import cli, convert, launch
+    from mcore_cpu_shim.app.convert_worker import phases_of
 
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(folder)
@@ -280,21 +279,21 @@ def run_convert(hf, out, folder, stream, plain_save=False):
 
     spawned = time.time()
     env = dict(os.environ, **{PLAIN_SAVE: "1"}) if plain_save else None
-    processes = convert.start_ranks(spec, folder, command=command, env=env)
-    outcome = convert.supervise(processes, ("imports",) + phases_of(spec), folder, convert.Progress(stream))
+    processes = launch.start_ranks(spec, folder, "convert_worker", command=command, env=env)
+    outcome = launch.supervise(processes, ("imports",) + phases_of(spec), folder, launch.Progress(stream))
     ended = time.time()
     if outcome["failure"] is not None:  # keep the rank logs: the working folder goes
         logs = shutil.move(folder, tempfile.mkdtemp(prefix="mcore-cpu-shim-bench-convert-logs-"))
-        raise SystemExit(convert.report_failure("bench_convert: convert import", outcome["failure"], logs))
-    table = phase_table(_read_events(os.path.join(folder, "rank0.jsonl")), spawned)
-    size = next((e.get("size") for e in _read_events(os.path.join(folder, "rank0.jsonl"))
-                 if e.get("phase") == "save" and e.get("ok")), None)
+        raise SystemExit(launch.report_failure("bench_convert: convert import", outcome["failure"], logs))
+    events = launch.read_events(os.path.join(folder, "rank0.jsonl"))
+    table = phase_table(events, spawned)
+    size = next((e.get("size") for e in events if e.get("phase") == "save" and e.get("ok")), None)
     shutil.rmtree(out, ignore_errors=True)
     return dict(phases=table, wall=ended - spawned, out_bytes=size, facts=outcome["facts"]), source
 
 
 def run_floor(kind, hf, workdir, stream):
-    from mcore_cpu_shim.demo import _read_events
+    from mcore_cpu_shim.app.launch import read_events
 
     out = os.path.join(workdir, f"floor.{'pt' if kind == 'torch' else 'safetensors'}")
     events = os.path.join(workdir, f"floor-{kind}.jsonl")
@@ -311,7 +310,7 @@ def run_floor(kind, hf, workdir, stream):
         with open(log) as f:
             sys.stderr.write(f.read()[-6000:])
         raise SystemExit(f"bench_convert: the {FLOORS[kind]} floor failed (exit status {code}; its log is above)")
-    table = phase_table(_read_events(events), spawned)
+    table = phase_table(read_events(events), spawned)
     size = os.path.getsize(out)
     os.remove(out)
     print(f"  {FLOORS[kind]}: " + ", ".join(f"{name} {row['seconds']:.1f} s" for name, row in table.items()),

@@ -76,7 +76,7 @@ def worker(spec):
     import mcore_cpu_shim  # noqa: F401  (first; MCORE_CPU_SHIM_DISABLE decides)
     import torch
     from megatron.core import dist_checkpointing, parallel_state
-    from mcore_cpu_shim._demo_rank import build_model, parameter_count, tensors
+    from mcore_cpu_shim.app.demo_worker import build_model, parameter_count, tensors
 
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{spec['store']}", rank=0, world_size=1

@@ -4,7 +4,7 @@
 torch or megatron is imported here: each fix waits for its target module to be imported.
 Switch fixes off with ``MCORE_CPU_SHIM_DISABLE=name[,name]`` or ``all``. The import also
 installs the Transformer Engine import guard (``MCORE_CPU_SHIM_TE=auto|block|off``, see
-``_te_guard``).
+``te_guard``).
 
 The import itself is kept light (about 2 % of ``import torch``, ``benchmarks/bench_import.py``): the fix
 modules are loaded by the first import of ``megatron`` (before any target module can be
@@ -15,7 +15,7 @@ the fix lists are asked for), and the tripwire when ``forbid_cuda`` is first use
 import os
 import sys
 
-from . import _te_guard, engine
+from . import te_guard, engine
 from .engine import McoreCpuShimWarning
 from ._version import __version__
 
@@ -92,9 +92,9 @@ def apply():
 
     Safe to call again. A bad switch value raises ValueError and activates nothing.
     """
-    te_mode = _te_guard.mode_from_env()
+    te_mode = te_guard.mode_from_env()
     engine.apply(_all_fixes, ROOTS)
-    _te_guard.install(te_mode)
+    te_guard.install(te_mode)
 
 
 def status():
@@ -110,11 +110,10 @@ def _started_as_cli():
     return bool(sys.argv) and os.path.basename(sys.argv[0]).startswith("mcore-cpu-shim")
 
 
-# A bad switch value: the CLI reports it (exit status 2); an import by a program raises it.
-_config_error = None
+# A bad switch value: an import by a program raises it; the CLI (app.cli, which calls apply()
+# again) reports it with exit status 2.
 try:
     apply()
-except ValueError as exc:
+except ValueError:
     if not _started_as_cli():
         raise
-    _config_error = exc

@@ -3,10 +3,26 @@
 Inside the context every torch.cuda entry point that initialises CUDA or needs a device raises
 CudaTouchedError, and each call is recorded, so a call that the code under test catches and
 hides still fails the block on exit. Querying (is_available, device_count) stays allowed.
+
+The other evidence: ``driver_libraries()``, the NVIDIA driver libraries mapped into this
+process, which a process that asked the driver nothing has none of.
 """
 
 import contextlib
+import os
 import traceback
+
+# Libraries of the NVIDIA driver: mapped only when something asked the driver (a process
+# that "touches no CUDA" on a driverless host maps none of these).
+DRIVER_LIBRARIES = ("libcuda.so", "libcudadebugger.so", "libnvidia-")
+# CUDA toolkit libraries: a CUDA build of torch maps these at import, with or without a driver.
+CUDA_LIBRARIES = (
+    "libcudart.so", "libnvrtc", "libnvJitLink", "libcublas", "libcudnn", "libnccl", "libcufft",
+    "libcufile", "libcurand", "libcusolver", "libcusparse", "libcupti", "libnvshmem",
+    "libnvToolsExt", "libnvjpeg",
+)
+
+
 
 # _lazy_init is what every CUDA-initialising path ends in (tensor creation on "cuda", .cuda(),
 # streams on CUDA builds); the others fail differently on CPU-only builds, so guard them too.
@@ -111,3 +127,23 @@ def forbid_cuda():
         raise CudaTouchedError(f"{len(touched)} CUDA call(s) inside forbid_cuda(); first: {touched[0]}")
     if torch.cuda.is_initialized() and not was_initialized:
         raise CudaTouchedError("CUDA was initialised inside forbid_cuda()")
+
+
+def mapped_libraries():
+    """Base names of the shared libraries mapped into this process (Linux /proc), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return None
+    names = set()
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and ".so" in fields[5]:
+            names.add(os.path.basename(fields[5].strip()))
+    return sorted(names)
+
+
+def driver_libraries():
+    """The NVIDIA driver libraries mapped into this process ([] where /proc is absent)."""
+    return [name for name in mapped_libraries() or [] if name.startswith(DRIVER_LIBRARIES)]

@@ -16,20 +16,20 @@ import importlib.util
 import preloaded
 
 
-def _load_mcore_tree():
+def load_mcore_tree():
     """The package's one way to find megatron-core's tree and version, loaded from its file:
     importing the package would activate the shim (in patched mode, and in children that test
     a vendored copy, it must stay off)."""
     origin = importlib.util.find_spec("mcore_cpu_shim").origin
-    path = os.path.join(os.path.dirname(origin), "_mcore_tree.py")
+    path = os.path.join(os.path.dirname(origin), "engine", "tree.py")
     spec = importlib.util.spec_from_file_location("_tests_mcore_tree", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-_mcore_tree = _load_mcore_tree()
-mcore_version = _mcore_tree.mcore_version
+mcore_tree = load_mcore_tree()
+mcore_version = mcore_tree.mcore_version
 MODE = os.environ.get("MCORE_CPU_SHIM_MODE", "shim")
 MCORE_VERSION = tuple(int(p) for p in mcore_version().split(".")[:2])
 # What CUDA's absence says (torch.cuda._lazy_init): no driver, a CPU-only torch, a driver with
@@ -37,13 +37,13 @@ MCORE_VERSION = tuple(int(p) for p in mcore_version().split(".")[:2])
 NO_CUDA = ("NVIDIA driver", "not compiled with CUDA", "No CUDA GPUs are available")
 # Megatron-Bridge on the path (tools/matrix.py's bridge legs put it there; the release legs
 # have none, and every Bridge test skips there).
-HAVE_BRIDGE = _mcore_tree.module_file("megatron.bridge") is not None
+HAVE_BRIDGE = mcore_tree.module_file("megatron.bridge") is not None
 
 
 def megatron_source(module):
     """The source of a megatron-core module in the tree on the path, read without importing
     megatron.core (None if the tree has no such module)."""
-    path = _mcore_tree.module_file(module)
+    path = mcore_tree.module_file(module)
     if path is None:
         return None
     with open(path) as source:
@@ -57,7 +57,7 @@ def import_every_target(package):
     for fix in package.status().values():
         for target in fix["targets"]:
             module = target.split(":")[0]
-            if _mcore_tree.module_file(module) is not None:
+            if mcore_tree.module_file(module) is not None:
                 importlib.import_module(module)
 
 
@@ -198,14 +198,14 @@ def bridge_checkpoint(family, folder):
 
 
 def hf_model(family):
-    """A tiny HF model of ``family`` (mcore_cpu_shim.hf_models), written once per builder source
+    """A tiny HF model of ``family`` (mcore_cpu_shim.app.hf_models), written once per builder source
     and transformers version (all workers and sessions share it; never modified by a test): its
     folder."""
     import hashlib
 
     from importlib.metadata import PackageNotFoundError, version as installed
 
-    builder = os.path.join(os.path.dirname(importlib.util.find_spec("mcore_cpu_shim").origin), "hf_models.py")
+    builder = os.path.join(os.path.dirname(importlib.util.find_spec("mcore_cpu_shim").origin), "app", "hf_models.py")
     with open(builder, "rb") as source:
         digest = hashlib.sha256(source.read())  # a changed builder: new models
     # transformers 5 writes tokenizer files that transformers 4 cannot read, and the tox envs
@@ -218,7 +218,7 @@ def hf_model(family):
     folder = os.path.join(tempfile.gettempdir(), f"mcore-cpu-shim-models-{version}", family)
     if not os.path.isfile(os.path.join(folder, "config.json")):
         result = run_python(
-            "import sys; from mcore_cpu_shim import hf_models; hf_models.write(sys.argv[1], sys.argv[2])",
+            "import sys; from mcore_cpu_shim.app import hf_models; hf_models.write(sys.argv[1], sys.argv[2])",
             args=(family, folder + f".tmp{os.getpid()}"),
         )
         if result.returncode != 0:
@@ -453,7 +453,7 @@ def gpt_oss_like(seed, **config):
         position_embedding_type=position,
     )
     # The demo's builder does the same: 0.15 leaves learnable offsets uninitialised.
-    from mcore_cpu_shim._demo_rank import zero_uninitialised_softmax_offsets
+    from mcore_cpu_shim.app.demo_worker import zero_uninitialised_softmax_offsets
 
     zero_uninitialised_softmax_offsets(model)
     return model

@@ -10,7 +10,7 @@ from helpers import expected_state, needs_bridge, run_python
 
 pytestmark = [pytest.mark.cuda_hidden, needs_bridge()]
 
-DOCTOR = "import sys; from mcore_cpu_shim.cli import main; sys.exit(main(['doctor', '--json']))"
+DOCTOR = "import sys; from mcore_cpu_shim.app.cli import main; sys.exit(main(['doctor', '--json']))"
 
 
 def test_doctor_reports_bridge_and_its_fixes():

@@ -5,7 +5,7 @@ Both ways Bridge offers: ``AutoBridge.import_ckpt`` / ``export_ckpt``, and the p
 (``to_megatron_provider`` -> ``provide_distributed_model`` -> ``save_megatron_model``, with the
 provider setting up its own process group). Each step runs in its own interpreter (as a user's
 conversion does: import and export are two runs) under ``forbid_cuda()``; every HF tensor must
-come back bit for bit. Tiny models from ``mcore_cpu_shim.hf_models``: a Llama (plain RoPE, dense)
+come back bit for bit. Tiny models from ``mcore_cpu_shim.app.hf_models``: a Llama (plain RoPE, dense)
 and a GPT-OSS (YaRN, learnable softmax offsets, 4 experts top-2, alltoall dispatcher).
 """
 
@@ -44,7 +44,7 @@ with mcore_cpu_shim.forbid_cuda() as touched:
     hf, megatron, out = sys.argv[1:4]
     AutoBridge.from_hf_pretrained(hf).export_ckpt(megatron, out)
 import torch
-from mcore_cpu_shim import hf_models
+from mcore_cpu_shim.app import hf_models
 source, back = hf_models.tensors(hf), hf_models.tensors(out)
 equal = [name for name in source if name in back and torch.equal(source[name], back[name])]
 print(json.dumps({"touched": touched, "source": len(source), "back": len(back), "equal": len(equal),

@@ -27,7 +27,8 @@ def cli(*args, **env):
 @pytest.mark.cuda_hidden
 def test_doctor_reports_host_megatron_te_and_fixes(tmp_path, monkeypatch, capsys):
     import torch
-    from mcore_cpu_shim import cli, fix_names
+    from mcore_cpu_shim import fix_names
+    from mcore_cpu_shim.app import cli
 
     monkeypatch.syspath_prepend(fake_te(tmp_path, "raises"))  # an installed TE without a driver
     assert cli.main(["doctor", "--json"]) == 0

@@ -5,7 +5,7 @@ starts (fast, no Megatron-Bridge needed). The rank machinery is tested with stan
 that record phases like the real ones: a rank that fails or dies stops the others at once and
 is the one reported, and a Gloo collective gives up after the timeout. The comparison behind
 ``--verify`` is tested on its own. The end-to-end round trips (tiny models from
-``mcore_cpu_shim.hf_models``) need Megatron-Bridge and skip without it.
+``mcore_cpu_shim.app.hf_models``) need Megatron-Bridge and skip without it.
 """
 
 import importlib.util
@@ -41,7 +41,7 @@ needs_bridge = pytest.mark.skipif(
 
 def convert(*args, capsys):
     """``mcore-cpu-shim convert ARGS`` in this process: (exit status, stdout, stderr)."""
-    from mcore_cpu_shim import cli
+    from mcore_cpu_shim.app import cli
 
     try:
         code = cli.main(["convert", *map(str, args)])
@@ -228,28 +228,28 @@ def test_registered_with_both_directions(capsys):
 
 FAKE_RANK = """
 import json, os, sys, time
-from mcore_cpu_shim import _convert_rank as cr
+from mcore_cpu_shim.app import convert_worker, worker
 
 spec_path, rank, plan = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 with open(spec_path) as f:
     spec = json.load(f)
-phases = cr.Phases(os.path.join(spec["events"], f"rank{rank}.jsonl"))
+phases = worker.Phases(os.path.join(spec["events"], f"rank{rank}.jsonl"))
 ok = False
 try:
-    for name in cr.phases_of(spec):
+    for name in convert_worker.phases_of(spec):
         phases.start(name)
         action = plan.get(f"{rank}:{name}")
         if action == "raise":
             raise RuntimeError(f"boom on rank {rank}")
         if action == "input":
-            raise cr.InputProblem("this model is not convertible")
+            raise worker.InputProblem("this model is not convertible")
         if action == "die":
             os.kill(os.getpid(), 9)
         if action == "hang":
             time.sleep(600)
         if action == "gloo":  # a collective whose peer never joins it
             import torch
-            cr.init_gloo(spec, rank)
+            worker.init_gloo(spec, rank)
             if rank == 0:
                 torch.distributed.all_reduce(torch.ones(1))
             else:
@@ -265,7 +265,7 @@ os._exit(0 if ok else 1)
 
 def run_fake(tmp_path, plan, ranks=2, timeout=300, verify=False):
     """Run stand-in ranks through the command's own launcher and supervisor."""
-    from mcore_cpu_shim import convert as command
+    from mcore_cpu_shim.app import convert as command
 
     script = tmp_path / "fake_rank.py"
     script.write_text(FAKE_RANK)
@@ -293,7 +293,7 @@ def run_fake(tmp_path, plan, ranks=2, timeout=300, verify=False):
 
 
 def test_a_failing_rank_stops_the_others_and_is_reported(tmp_path, capsys):
-    from mcore_cpu_shim import convert as command
+    from mcore_cpu_shim.app import launch
 
     # Rank 1 fails copying weights; rank 0 waits for it forever (as in a collective).
     outcome, progress, seconds, folder = run_fake(tmp_path, {"1:copy weights": "raise", "0:copy weights": "hang"})
@@ -304,7 +304,7 @@ def test_a_failing_rank_stops_the_others_and_is_reported(tmp_path, capsys):
     assert "  load HF: ok (" in progress and "  build model: ok (" in progress
     assert "  copy weights: FAILED" in progress and "save" not in progress
 
-    assert command.report_failure("mcore-cpu-shim convert import", failure, folder) == 1
+    assert launch.report_failure("mcore-cpu-shim convert import", failure, folder) == 1
     err = capsys.readouterr().err
     assert "rank 1 failed in 'copy weights': RuntimeError: boom on rank 1" in err
     assert f"rank logs kept in {folder}" in err
@@ -339,11 +339,11 @@ def test_progress_and_facts_of_a_run_that_passes(tmp_path):
 
 
 def test_an_input_problem_in_a_rank_exits_2(tmp_path, capsys):
-    from mcore_cpu_shim import convert as command
+    from mcore_cpu_shim.app import launch
 
     outcome, _, _, folder = run_fake(tmp_path, {"0:load HF": "input", "1:load HF": "input"})
     assert outcome["failure"]["input"] is True
-    assert command.report_failure("mcore-cpu-shim convert import", outcome["failure"], folder) == 2
+    assert launch.report_failure("mcore-cpu-shim convert import", outcome["failure"], folder) == 2
     assert "error: this model is not convertible" in capsys.readouterr().err
 
 
@@ -353,7 +353,8 @@ def test_an_input_problem_in_a_rank_exits_2(tmp_path, capsys):
 def test_compare_counts_every_tensor(tmp_path):
     torch = pytest.importorskip("torch")
     safetensors_torch = pytest.importorskip("safetensors.torch")
-    from mcore_cpu_shim._convert_rank import SafetensorsFolder, VerifyMismatch, check_comparison, compare
+    from mcore_cpu_shim.app.convert_worker import SafetensorsFolder, check_comparison, compare
+    from mcore_cpu_shim.app.worker import VerifyMismatch
 
     a, b, c = torch.randn(3, 2).bfloat16(), torch.randn(4).bfloat16(), torch.randn(2).bfloat16()
     safetensors_torch.save_file({"a": a, "b": b}, str(tmp_path / "model-1.safetensors"))
@@ -382,7 +383,7 @@ def test_compare_counts_every_tensor(tmp_path):
 
 def assert_same_as(original, folder):
     import torch
-    from mcore_cpu_shim import hf_models
+    from mcore_cpu_shim.app import hf_models
 
     expected, actual = hf_models.tensors(original), hf_models.tensors(folder)
     assert expected.keys() == actual.keys()
@@ -392,7 +393,7 @@ def assert_same_as(original, folder):
 
 
 def round_trip(tmp_path, family, *import_options):
-    from mcore_cpu_shim import hf_models
+    from mcore_cpu_shim.app import hf_models
 
     hf = hf_models.write(family, tmp_path / "hf")
     count = len(hf_models.tensors(hf))
@@ -435,7 +436,7 @@ def test_gpt_oss_two_ranks_expert_parallel(tmp_path):
 @needs_bridge
 def test_unsupported_architecture(tmp_path):
     pytest.importorskip("transformers")
-    from mcore_cpu_shim import hf_models
+    from mcore_cpu_shim.app import hf_models
 
     hf = hf_models.write("llama", tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())

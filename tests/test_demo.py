@@ -229,12 +229,12 @@ def test_bridge_family(family, tmp_path, record_property):
     expert parallelism and the pass without the shim."""
     from types import SimpleNamespace
 
-    from mcore_cpu_shim import _demo_bridge
+    from mcore_cpu_shim.app import demo_bridge
 
-    sizes = dict.fromkeys(_demo_bridge.CONFIG_FIELDS)
+    sizes = dict.fromkeys(demo_bridge.CONFIG_FIELDS)
     args = SimpleNamespace(model=family, ranks=1, ep=1, seq_len=32, timeout=600, **sizes)
     shown = []
-    result = _demo_bridge.run_pass(args, "with shim", str(tmp_path), {}, lambda *line: shown.append(line))
+    result = demo_bridge.run_pass(args, "with shim", str(tmp_path), {}, lambda *line: shown.append(line))
     steps = result["steps"]
     assert [s["ok"] for s in steps.values()] == [True] * len(steps), {
         name: (s.get("error"), s.get("where")) for name, s in steps.items() if not s["ok"]}
@@ -255,7 +255,7 @@ def test_bridge_family(family, tmp_path, record_property):
 @pytest.mark.cuda_hidden
 def test_parity_of_logits():
     torch = pytest.importorskip("torch")
-    from mcore_cpu_shim._demo_bridge import parity
+    from mcore_cpu_shim.app.demo_bridge import parity
 
     expected = torch.randn(2, 8, 10)
     padded = torch.cat([expected, torch.zeros(2, 8, 6)], dim=-1)  # megatron pads the vocabulary
@@ -272,7 +272,7 @@ def test_parity_of_logits():
 
 @pytest.mark.cuda_hidden
 def test_without_bridge_it_says_how_to_install_it(monkeypatch):
-    from mcore_cpu_shim import demo as command
+    from mcore_cpu_shim.app import demo as command
 
     monkeypatch.setitem(sys.modules, "megatron.bridge", None)  # find_spec: not installed
     message = command.bridge_missing()
@@ -307,6 +307,6 @@ def test_demo_on_a_gpu_host_stays_off_the_gpu():
 
 @pytest.mark.cuda_hidden
 def test_cli_starts_without_torch():
-    code = "import sys, mcore_cpu_shim.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, mcore_cpu_shim.app.cli; assert 'torch' not in sys.modules, 'torch imported'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

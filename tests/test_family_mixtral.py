@@ -31,7 +31,7 @@ import torch
 import mcore_cpu_shim
 from helpers import init_gloo, save_and_reload
 from pathlib import Path
-from mcore_cpu_shim import _demo_bridge
+from mcore_cpu_shim.app import demo_bridge
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
@@ -39,8 +39,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 folder, work = sys.argv[1], Path(sys.argv[2])
 init_gloo(tempfile.mkdtemp())
-ids = _demo_bridge.tokens(256, 2, 32)
-expected, c = _demo_bridge.hf_logits(folder, ids)  # float32, eager attention
+ids = demo_bridge.tokens(256, 2, 32)
+expected, c = demo_bridge.hf_logits(folder, ids)  # float32, eager attention
 import transformers
 source = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
 theta = getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]
@@ -140,7 +140,7 @@ with mcore_cpu_shim.forbid_cuda() as touched:
 equal = [name for name in source if name in back and torch.equal(back[name], source[name])]
 print(json.dumps({"touched": touched, "tensors": len(source), "equal": len(equal), "extra": sorted(set(back) - set(source)),
                   "fused": fused, "same_after_reload": torch.equal(before, after),
-                  "parity": _demo_bridge.parity(expected, before)}))
+                  "parity": demo_bridge.parity(expected, before)}))
 """
 
 

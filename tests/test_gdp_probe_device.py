@@ -14,12 +14,12 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from helpers import MODE, _mcore_tree, expected_state, run_python, run_without_fix
+from helpers import MODE, mcore_tree, expected_state, run_python, run_without_fix
 
 pytestmark = pytest.mark.cuda_hidden
 
 MODULE = "megatron.core.ssm.ops.gdp.common"
-HAS_GDP = _mcore_tree.module_file(MODULE) is not None
+HAS_GDP = mcore_tree.module_file(MODULE) is not None
 ROOT = Path(__file__).resolve().parent.parent
 MAIN_SNAPSHOT = sorted((ROOT.parent / "shared" / "upstream").glob("megatron-core-main-*.tar.xz"))
 

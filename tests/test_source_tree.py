@@ -15,9 +15,9 @@ from test_cli import cli
 # In a child whose path holds the copy and no package metadata of megatron-core: what the
 # shim and the demo's rank make of it.
 REPORT = """
-import importlib, importlib.metadata, json, os, tempfile
+import importlib, importlib.metadata, json
 import mcore_cpu_shim
-from mcore_cpu_shim import _demo_rank
+from mcore_cpu_shim.app import worker
 from mcore_cpu_shim.engine import mcore_version
 import megatron.core
 from megatron.core import package_info
@@ -29,18 +29,16 @@ except importlib.metadata.PackageNotFoundError:
     metadata = False
 from helpers import import_every_target
 import_every_target(mcore_cpu_shim)
-# What a demo rank records at its end, the version with it (once read from package metadata).
-with tempfile.TemporaryDirectory() as events:
-    _demo_rank.Rank({"events": events, "strict": False}, 0).finish(passed=False)
-    with open(os.path.join(events, "rank0.jsonl")) as f:
-        rank = json.loads(f.read().splitlines()[-1])
+# What a rank of convert or the demo records at its end, the version with it (once read from
+# package metadata).
+rank = worker.final_facts()
 print(json.dumps({
     "metadata": metadata,
     "path": megatron.core.__file__,
     "package_info": package_info.__version__,
     "version": mcore_version(),
     "fixes": {name: fix["state"] for name, fix in mcore_cpu_shim.status().items()},
-    "rank": {"mcore": rank["mcore"], "fixes": rank["fixes"]},
+    "rank": {"mcore": rank["megatron_core"], "fixes": rank["fixes"]},
 }))
 """
 

@@ -100,7 +100,7 @@ CAUSES = {"raises": OSError, "nested": RuntimeError, "extension": ImportError,
 @pytest.mark.parametrize("kind", ["raises", "nested", "extension", "core-only", "missing-dependency", "complete", "leftover"])
 def test_installed_te_counts_as_absent_without_cuda(tmp_path, monkeypatch, kind):
     """Whatever TE does at import, fail or work: absent, one warning naming the truth."""
-    from mcore_cpu_shim import _te_guard
+    from mcore_cpu_shim import te_guard
 
     monkeypatch.syspath_prepend(fake_te(tmp_path, kind))
     with warnings.catch_warnings(record=True) as caught:
@@ -119,7 +119,7 @@ def test_installed_te_counts_as_absent_without_cuda(tmp_path, monkeypatch, kind)
     assert importlib.util.find_spec("transformer_engine") is None
     assert importlib.util.find_spec("transformer_engine_torch") is None
     [warning] = shim_warnings(caught)
-    reason = _te_guard.state()["reason"]
+    reason = te_guard.state()["reason"]
     if kind == "leftover":
         assert reason.startswith("Transformer Engine (version unknown) installed, not importable (")
         assert "holds no __init__.py (left over from a removed install)), CUDA not usable: treated as absent" in reason
@@ -127,7 +127,7 @@ def test_installed_te_counts_as_absent_without_cuda(tmp_path, monkeypatch, kind)
         assert reason == REASONS[kind]
     assert warning.startswith(f"mcore_cpu_shim: {reason}. megatron-core takes its local code paths instead")
     assert ".." not in warning  # an exception text ending in "." is not followed by another
-    assert _te_guard.state()["te"]["importable"] is (kind == "complete")
+    assert te_guard.state()["te"]["importable"] is (kind == "complete")
 
 
 @pytest.mark.cuda_hidden
@@ -136,7 +136,7 @@ def test_te_whose_torch_extension_fails_to_load_counts_as_absent(tmp_path, monke
     transformer_engine`` alone would work; the guard tries megatron-core's imports
     (``transformer_engine.pytorch`` too, whose plain ImportError ``tensor_parallel/random.py``
     does not catch) and names that error."""
-    from mcore_cpu_shim import _te_guard
+    from mcore_cpu_shim import te_guard
 
     monkeypatch.syspath_prepend(fake_te(tmp_path, "extension"))
     with warnings.catch_warnings():
@@ -144,22 +144,22 @@ def test_te_whose_torch_extension_fails_to_load_counts_as_absent(tmp_path, monke
         with pytest.raises(ModuleNotFoundError) as caught:
             from transformer_engine.pytorch import distributed  # noqa: F401
     assert type(caught.value.__cause__) is ImportError and NO_DRIVER in str(caught.value.__cause__)
-    assert _te_guard.state()["te"]["error"] == f"transformer_engine.pytorch: ImportError: {NO_DRIVER}"
+    assert te_guard.state()["te"]["error"] == f"transformer_engine.pytorch: ImportError: {NO_DRIVER}"
     assert te_modules() == [] and te_marked_absent()
 
 
 @pytest.mark.cuda_hidden
 def test_block_mode_hides_a_working_te(tmp_path, monkeypatch):
-    from mcore_cpu_shim import _te_guard
+    from mcore_cpu_shim import te_guard
 
     monkeypatch.syspath_prepend(fake_te(tmp_path, "works"))
-    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if f is not _te_guard.installed_guard()])
-    _te_guard.install("block")
-    _te_guard.install("block")  # idempotent
-    assert sum(getattr(f, _te_guard.GUARD_MARKER, False) for f in sys.meta_path) == 1
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if f is not te_guard.installed_guard()])
+    te_guard.install("block")
+    te_guard.install("block")  # idempotent
+    assert sum(getattr(f, te_guard.GUARD_MARKER, False) for f in sys.meta_path) == 1
     with pytest.raises(ModuleNotFoundError, match="MCORE_CPU_SHIM_TE=block"):
         import transformer_engine  # noqa: F401
-    assert _te_guard.state() == {"mode": "block", "owner": f"mcore_cpu_shim {_te_guard.__version__}",
+    assert te_guard.state() == {"mode": "block", "owner": f"mcore_cpu_shim {te_guard.__version__}",
                                  "reason": "MCORE_CPU_SHIM_TE=block", "te": None, "imported_before": []}
     assert importlib.util.find_spec("transformer_engine") is None  # tried by nobody, absent to all
 
@@ -174,9 +174,9 @@ def test_a_second_copy_leaves_the_guard_to_the_first(tmp_path, monkeypatch):
     shutil.copytree(PACKAGE_DIR, tmp_path / "othershim", ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.syspath_prepend(str(tmp_path))
     other = importlib.import_module("othershim")
-    guards = [f for f in sys.meta_path if getattr(f, mcore_cpu_shim._te_guard.GUARD_MARKER, False)]
+    guards = [f for f in sys.meta_path if getattr(f, mcore_cpu_shim.te_guard.GUARD_MARKER, False)]
     assert len(guards) == 1
-    assert other._te_guard.state()["owner"] == f"mcore_cpu_shim {mcore_cpu_shim.__version__}"
+    assert other.te_guard.state()["owner"] == f"mcore_cpu_shim {mcore_cpu_shim.__version__}"
 
 
 @pytest.mark.cuda_hidden
@@ -233,13 +233,13 @@ def test_megatron_imports_with_an_unloadable_te(tmp_path, kind):
 @pytest.mark.cuda_visible
 def test_guard_stays_out_of_the_way_with_cuda(tmp_path, monkeypatch):
     """On a GPU node a broken TE must stay loud: the original error, nothing hidden."""
-    from mcore_cpu_shim import _te_guard
+    from mcore_cpu_shim import te_guard
 
     monkeypatch.syspath_prepend(fake_te(tmp_path, "raises"))
     with pytest.raises(OSError, match="libcuda.so.1") as caught:
         import transformer_engine  # noqa: F401
     assert not isinstance(caught.value, ImportError)
-    assert _te_guard.state()["reason"] is None
+    assert te_guard.state()["reason"] is None
 
 
 @pytest.mark.cuda_hidden
@@ -290,7 +290,7 @@ def test_te_imported_before_the_shim_stays_and_the_warning_says_how_to_fix_it(tm
             warnings.simplefilter("always")
             import mcore_cpu_shim
         import transformer_engine.pytorch  # the guard stands aside: TE stays whole
-        print(json.dumps({"state": mcore_cpu_shim._te_guard.state(),
+        print(json.dumps({"state": mcore_cpu_shim.te_guard.state(),
                           "pytorch": "transformer_engine.pytorch" in sys.modules,
                           "warnings": [str(w.message) for w in caught
                                        if issubclass(w.category, mcore_cpu_shim.McoreCpuShimWarning)]}))
@@ -348,7 +348,7 @@ def test_te_imported_by_a_torch_plugin_while_torch_imports(tmp_path):
                 from megatron.core.tensor_parallel import random
                 have_te = random.HAVE_TE
         print(json.dumps({"plugin": sys.modules["te_plugin"].seen, "have_te": have_te,
-                          "state": mcore_cpu_shim._te_guard.state(),
+                          "state": mcore_cpu_shim.te_guard.state(),
                           "warnings": [str(w.message) for w in caught
                                        if issubclass(w.category, mcore_cpu_shim.McoreCpuShimWarning)]}))
     """
@@ -371,12 +371,12 @@ def test_te_imported_by_a_torch_plugin_while_torch_imports(tmp_path):
 @pytest.mark.cuda_visible
 def test_guard_lets_a_working_te_through_with_cuda(tmp_path, monkeypatch):
     """With CUDA usable TE is used as installed: the guard decides nothing, warns nothing."""
-    from mcore_cpu_shim import _te_guard
+    from mcore_cpu_shim import te_guard
 
     monkeypatch.syspath_prepend(fake_te(tmp_path, "complete"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         import transformer_engine.pytorch  # noqa: F401
     assert "transformer_engine_torch" in sys.modules
-    assert _te_guard.state()["reason"] is None and shim_warnings(caught) == []
+    assert te_guard.state()["reason"] is None and shim_warnings(caught) == []
     assert importlib.util.find_spec("transformer_engine") is not None

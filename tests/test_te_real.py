@@ -86,7 +86,7 @@ MEGATRON_VIEW = """
         "final_norm": type(model.decoder.final_layernorm).__name__,
         "find_spec": [importlib.util.find_spec(name) is not None for name in te_names],
         "te_modules": [m for m in sys.modules if m.split(".")[0] in te_names and sys.modules[m] is not None],
-        "state": mcore_cpu_shim._te_guard.state(),
+        "state": mcore_cpu_shim.te_guard.state(),
         "warnings": [str(w.message) for w in caught
                      if issubclass(w.category, mcore_cpu_shim.McoreCpuShimWarning)],
     }))
@@ -124,7 +124,7 @@ def test_te_before_torch_is_decided_after_torch():
         except ModuleNotFoundError as exc:
             error = str(exc)
         print(json.dumps({"error": error, "torch": "torch" in sys.modules,
-                          "reason": mcore_cpu_shim._te_guard.state()["reason"]}))
+                          "reason": mcore_cpu_shim.te_guard.state()["reason"]}))
     """
     result = last_json(run_python(code, fresh=True))
     assert result["torch"] is True
@@ -144,7 +144,7 @@ def test_te_imported_before_the_shim_is_left_alone_with_a_warning():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             import mcore_cpu_shim
-        print(json.dumps({"state": mcore_cpu_shim._te_guard.state(),
+        print(json.dumps({"state": mcore_cpu_shim.te_guard.state(),
                           "warnings": [str(w.message) for w in caught
                                        if issubclass(w.category, mcore_cpu_shim.McoreCpuShimWarning)]}))
     """

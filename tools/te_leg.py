@@ -52,9 +52,9 @@ def pip(*args):
 
 def installed():
     """The TE distributions installed here, as the guard and doctor see them."""
-    from mcore_cpu_shim import _te_guard
+    from mcore_cpu_shim import te_guard
 
-    return _te_guard.installed_distributions()
+    return te_guard.installed_distributions()
 
 
 def install(version, complete, pin):

@@ -61,4 +61,4 @@ from .source import (
     top_level_imports,
     uses_only,
 )
-from .._mcore_tree import mcore_version  # noqa: E402,F401  (doctor, tests)
+from .tree import bridge_version, mcore_version, module_file  # noqa: E402,F401  (the app, tests)

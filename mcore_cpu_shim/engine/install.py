@@ -12,7 +12,7 @@ import _thread
 import os
 import sys
 
-from .._mcore_tree import module_file, project
+from .tree import module_file, project
 from .decide import absent, classify, live_lookup, owner_of, strict_from_env
 from .hooks import ModuleFinder, Trigger, when_imported
 from .records import (

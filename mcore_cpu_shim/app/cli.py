@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from . import convert, demo, doctor, run
-from ._version import __version__
+from .. import __version__
 
 SUBCOMMANDS = (convert, demo, doctor, run)
 
@@ -27,10 +27,12 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    from . import _config_error
+    from .. import apply
 
     args = build_parser().parse_args(argv)  # exits 2 with a usage message on bad options
-    if _config_error is not None:
-        print(f"mcore-cpu-shim: error: {_config_error}", file=sys.stderr)
+    try:
+        apply()  # again: the package's import let a bad switch value pass for the CLI to say it
+    except ValueError as exc:
+        print(f"mcore-cpu-shim: error: {exc}", file=sys.stderr)
         return 2
     return args.func(args)

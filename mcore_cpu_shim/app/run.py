@@ -11,9 +11,9 @@ run without it.
 import os
 import sys
 
-from . import engine
+from .. import engine
 
-AUTOLOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_autoload")
+AUTOLOAD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_autoload")
 
 
 def add_parser(subparsers):

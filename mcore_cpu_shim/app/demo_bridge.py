@@ -4,20 +4,18 @@ A pass writes a tiny Hugging Face model (``hf_models.write``: ``transformers``, 
 weights, no hub), converts it HF -> ``torch_dist`` -> HF with ``mcore-cpu-shim convert``'s own
 code, compares every tensor of the result with the original exactly, and compares the CPU
 logits of the HF model (``transformers``, float32, eager attention) with those of the megatron
-model built from the converted checkpoint. Its workers run in three groups, each started and
-followed by convert's machinery (``convert.start_ranks``, ``convert.supervise``) in a folder of
-its own:
+model built from the converted checkpoint. Its workers run in three groups (``passes``: each
+started and followed by the launcher, as ``convert`` runs its ranks, in a folder of its own):
 
 - ``write``: one process writes the HF model;
-- ``import``: ``--ranks`` processes run convert's import (``_convert_rank.run_import``: Bridge's
+- ``import``: ``--ranks`` processes run convert's import (``convert_worker.run_import``: Bridge's
   ``AutoBridge`` provider, ``save_megatron_model``) with expert parallelism ``--ep``;
-- ``export``: one process runs convert's export (``_convert_rank.run_export``:
+- ``export``: one process runs convert's export (``convert_worker.run_export``:
   ``load_megatron_model``, ``save_hf_pretrained``), then compares the tensors, then the logits.
 
-Every worker is ``python -m mcore_cpu_shim._demo_bridge SPEC RANK``, which is
-``_convert_rank.main`` with this module's ``run`` and ``GuardedPhases``: in the pass with the
-shim (``strict`` in the spec) each phase runs under ``forbid_cuda()``, so a CUDA call that the
-code catches and hides still fails it.
+Every worker is ``python -m <package>.app.demo_bridge SPEC RANK``: ``worker.main`` with this
+module's ``run``. In the pass with the shim (``strict`` in the spec) each phase runs under
+``forbid_cuda()``, so a CUDA call that the code catches and hides still fails it.
 
 Nothing is imported from torch, transformers, megatron or Bridge at module level: the parent
 imports this module.
@@ -25,11 +23,12 @@ imports this module.
 
 import os
 import sys
-import time
 
-from . import _convert_rank
-from ._convert_rank import PHASES as CONVERT_PHASES
-from ._convert_rank import Phases, VerifyMismatch
+from . import convert_worker, passes
+from .convert_worker import PHASES as CONVERT_PHASES
+from .convert_worker import SafetensorsFolder, check_comparison, compare
+from .passes import Group
+from .worker import VerifyMismatch, directory_size, main
 
 STEPS = (
     "write HF model",
@@ -95,45 +94,6 @@ def overrides(args):
     return fields
 
 
-def _phase_step():
-    return {phase: step for step, phases in STEP_PHASES.items() for phase in phases}
-
-
-class _StepProgress:
-    """convert.supervise's progress object: says a demo step is over once its last phase is."""
-
-    def __init__(self, label, folder, ranks, progress):
-        self.label, self.folder, self.ranks, self.progress = label, folder, ranks, progress
-        self.shown = set()
-
-    def running(self, name, seconds):
-        pass
-
-    def done(self, name, summary):
-        step = _phase_step()[name]
-        if summary["ok"] and name == STEP_PHASES[step][-1] and step not in self.shown:
-            self.shown.add(step)
-            self.progress(self.label, step, summarise_step(step, _events(self.folder, self.ranks)))
-
-
-def _events(folder, ranks):
-    from .demo import _read_events
-
-    return [_read_events(os.path.join(folder, f"rank{r}.jsonl")) for r in range(ranks)]
-
-
-def summarise_step(step, events):
-    """A step whose phases every rank ended ok: time (the sum over its phases of the slowest
-    rank's), size on disk and what its phases recorded (rank 0's)."""
-    seconds, facts = 0.0, {}
-    for phase in STEP_PHASES[step]:
-        ended = [e for rank_events in events for e in rank_events if e.get("phase") == phase and e.get("ok")]
-        seconds += max((e.get("seconds") or 0) for e in ended)
-        first = next((e for e in events[0] if e.get("phase") == phase and e.get("ok")), {})
-        facts.update({k: v for k, v in first.items() if k not in ("phase", "ok", "seconds", "t")})
-    return dict(ok=True, seconds=seconds, size=facts.pop("size", None), facts=facts)
-
-
 def group_spec(direction, args, folder, strict):
     paths = dict(hf=os.path.join(folder, "hf"), megatron=os.path.join(folder, "megatron"),
                  back=os.path.join(folder, "hf-back"))
@@ -148,158 +108,21 @@ def group_spec(direction, args, folder, strict):
                 out=paths["back"], ranks=1, ep=1, seq_len=args.seq_len, batch=BATCH)
 
 
+def groups(args, folder, strict):
+    """The worker groups of one pass, in order."""
+    return [Group(direction, "demo_bridge", group_spec(direction, args, folder, strict), steps,
+                  {step: STEP_PHASES[step] for step in steps}, GROUP_ENV.get(direction, {}))
+            for direction, steps in GROUPS]
+
+
 def run_pass(args, label, folder, extra_env, progress):
-    """Run the worker groups of one pass; returns ``{"steps", "ranks", "exit_codes"}`` as
-    demo.run_pass does (``ranks``: the facts of every worker that recorded them)."""
-    from . import convert
-
-    os.makedirs(folder, exist_ok=True)
-    deadline = time.monotonic() + args.timeout
-    steps, ranks, codes = {}, [], []
-    env = dict(os.environ, **extra_env)
-    for direction, group_steps in GROUPS:
-        if any(s["ok"] is False for s in steps.values()):
-            break
-        sub = os.path.join(folder, direction)
-        os.makedirs(sub)
-        spec = group_spec(direction, args, folder, strict=not extra_env)
-        spec_path = os.path.join(sub, "spec.json")
-
-        def command(rank, spec_path=spec_path):
-            return [sys.executable, "-m", f"{__package__}._demo_bridge", spec_path, str(rank)]
-
-        phases = tuple(p for step in group_steps for p in STEP_PHASES[step])
-        processes = convert.start_ranks(spec, sub, command, env=dict(env, **GROUP_ENV.get(direction, {})))
-        watcher = _StepProgress(label, sub, spec["ranks"], progress)
-        outcome = convert.supervise(processes, phases, sub, watcher, deadline=deadline)
-        events = _events(sub, spec["ranks"])
-        failure = outcome["failure"]
-        for step in group_steps:
-            if step in watcher.shown:
-                steps[step] = summarise_step(step, events)
-                continue
-            # The first step not over is the one the failure stopped (supervise reports one
-            # for ranks that ended without finishing their phases too).
-            steps[step] = _failed_step(failure or {"error": "the ranks ended without finishing it"}, deadline)
-            progress(label, step, steps[step])
-            break
-        ranks += [next((e for e in rank_events if e.get("done")), None) for rank_events in events]
-        codes += [p.returncode for p in processes]
-    for step in STEPS:
-        steps.setdefault(step, dict(ok=None))  # not reached
-    return {"steps": steps, "ranks": ranks, "exit_codes": codes}
-
-
-def _failed_step(failure, deadline):
-    error = (failure.get("error") or "").strip().splitlines()
-    text = error[0] if error else "failed"
-    if failure.get("error") == "stopped before it finished" and time.monotonic() > deadline:
-        text = "stopped: still running when the pass's --timeout ran out (see rank*.log with --keep)"
-    facts = {k: v for k, v in failure.items()
-             if k not in ("phase", "ok", "seconds", "t", "error", "where", "traceback", "input", "mismatch", "rank")}
-    return dict(ok=False, error=text, where=failure.get("where") or "", seconds=failure.get("seconds"),
-                size=None, traceback=failure.get("traceback"), rank=failure.get("rank"),
-                phase=failure.get("phase"), facts=facts)
+    """Run the worker groups of one pass (``passes.run_pass``; ``ranks``: the last record of
+    every worker)."""
+    return passes.run_pass(groups(args, folder, strict=not extra_env), STEPS, label, folder, extra_env,
+                           progress, args.timeout)
 
 
 # --- The workers ---
-
-
-def _chain(exc):
-    seen = []
-    while exc is not None and exc not in seen:
-        seen.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    return seen
-
-
-def where(exc):
-    """Where ``exc`` happened, as convert says it (``path:line in function``), but in megatron
-    (core or Bridge) where any exception of its chain was raised there (e.g. Bridge's failing
-    import behind convert's ``cannot import Megatron-Bridge``), or where the text of a
-    ``forbid_cuda()`` error (a call that was caught) shows a megatron frame."""
-    import re
-
-    for link in _chain(exc):
-        found = _convert_rank.where(link)
-        if found.startswith("megatron/"):
-            return found
-    # The stack of the first call in a forbid_cuda() error: its innermost megatron frame, else
-    # its innermost frame.
-    frames = re.findall(r'File "([^"]*)", line (\d+), in (\S+)', str(exc))
-    inside = [f for f in frames if "/megatron/" in f[0]]
-    if inside or frames:
-        path, line, name = (inside or frames)[-1]
-        for root in ("megatron/", "site-packages/"):
-            if root in path:
-                path = path[path.rfind(root) + (len(root) if root == "site-packages/" else 0):]
-                break
-        return f"{path}:{line} in {name}"
-    return _convert_rank.where(exc)
-
-
-class GuardedPhases(Phases):
-    """convert's ``Phases``, with each phase under ``forbid_cuda()`` in a strict pass; a failure
-    is placed in megatron where its chain shows it (``where``); the last record also says what
-    the Transformer Engine import guard did and which transformers ran."""
-
-    def __init__(self, events_path):
-        import json
-
-        super().__init__(events_path)
-        # _convert_rank.main makes it from the events path; the spec is next to the events.
-        with open(os.path.join(os.path.dirname(events_path), "spec.json")) as f:
-            self.strict = json.load(f).get("strict", False)
-        self.guard, self.failed = None, None
-
-    def start(self, name):
-        super().start(name)  # ends the current phase first (and with it its block)
-        if self.strict:
-            from .tripwire import forbid_cuda
-
-            self.guard = forbid_cuda()
-            self.guard.__enter__()
-
-    def _close(self, exc=None):
-        guard, self.guard = self.guard, None
-        if guard is None:
-            return
-        if exc is None:
-            guard.__exit__(None, None, None)  # raises for a CUDA call the phase caught and hid
-            return
-        try:
-            guard.__exit__(type(exc), exc, exc.__traceback__)
-        except BaseException:  # noqa: BLE001  (the phase's own error is the one to report)
-            pass
-
-    def end(self, **facts):
-        self._close()
-        super().end(**facts)
-
-    def fail(self, exc):
-        self._close(exc)
-        self.failed = exc
-        super().fail(exc)
-
-    def record(self, **event):
-        if event.get("ok") is False and self.failed is not None and not event.get("mismatch"):
-            event["where"] = where(self.failed)
-        if event.get("done"):
-            event.update(_process_facts())
-        super().record(**event)
-
-
-def _process_facts():
-    facts = {}
-    try:
-        from . import _te_guard
-
-        facts["te_guard"] = {k: v for k, v in _te_guard.state().items() if k in ("mode", "reason")}
-    except Exception:  # noqa: BLE001
-        pass
-    if "transformers" in sys.modules:
-        facts["transformers"] = getattr(sys.modules["transformers"], "__version__", None)
-    return facts
 
 
 def write_model(spec, phases):
@@ -307,7 +130,6 @@ def write_model(spec, phases):
     import json
 
     from . import hf_models
-    from ._convert_rank import SafetensorsFolder, directory_size
 
     hf_models.write(spec["family"], spec["hf"], **spec["overrides"])
     weights = SafetensorsFolder(spec["hf"])
@@ -331,7 +153,6 @@ def compare_tensors(spec, phases):
     """Every tensor of the exported folder against the written one: same names, dtype, shape
     and values (convert's ``compare``)."""
     phases.start("compare tensors")
-    from ._convert_rank import SafetensorsFolder, check_comparison, compare
 
     exported = SafetensorsFolder(spec["out"])
     facts = compare(((name, exported.get(name)) for name in exported.names()), SafetensorsFolder(spec["hf_config"]))
@@ -366,13 +187,13 @@ def megatron_logits(spec, ids):
     import torch
     from megatron.core.tensor_parallel import random
 
-    bridge = _convert_rank.bridge_for(_convert_rank._auto_bridge(), spec["hf_config"])
+    bridge = convert_worker.bridge_for(convert_worker.auto_bridge(), spec["hf_config"])
     # Megatron's RNG tracker for inference: the local attention forks the tracker around its
     # dropout in every forward; the training tracker keeps CUDA generator states.
     random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     # The checkpoint says bf16 (GPT-OSS's provider forces it); built with bf16 off, Bridge makes
     # the parameters float32 (build_and_load_model) and the bf16 weights load exactly.
-    model = _convert_rank.load_checkpoint(bridge, spec["megatron"], spec, bf16=False, fp16=False)[0]
+    model = convert_worker.load_checkpoint(bridge, spec["megatron"], spec, bf16=False, fp16=False)[0]
     positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
     model.eval()
     with torch.no_grad():
@@ -444,12 +265,12 @@ def run(spec, rank, phases):
     if spec["direction"] == "write":
         write_model(spec, phases)
     elif spec["direction"] == "import":
-        _convert_rank.run_import(spec, rank, phases)
+        convert_worker.run_import(spec, rank, phases)
     else:
-        _convert_rank.run_export(spec, rank, phases)
+        convert_worker.run_export(spec, rank, phases)
         compare_tensors(spec, phases)
         cpu_logits(spec, phases)
 
 
 if __name__ == "__main__":
-    _convert_rank.main(sys.argv[1], int(sys.argv[2]), run=run, phases_class=GuardedPhases)
+    main(sys.argv[1], int(sys.argv[2]), run)

@@ -1,13 +1,8 @@
 """One rank of ``mcore-cpu-shim convert``: Megatron-Bridge's public API, phase by phase.
 
-Started by convert.py as ``python -m mcore_cpu_shim._convert_rank SPEC RANK`` in a fresh
-interpreter with ``CUDA_VISIBLE_DEVICES=""``: ``-m`` imports the package first, so the shim is
-active before torch, megatron-core or Megatron-Bridge is imported. SPEC is the JSON file the
-parent wrote (direction, folders, world, parallelism, timeout). Each phase appends JSON lines
-to ``<events>/rank<RANK>.jsonl`` as it starts and ends (``{"phase", "started"}``, then
-``{"phase", "ok", "seconds", ...}``), so the parent can print progress and knows where a rank
-that it has to kill got to; a last line holds the facts (versions, CUDA initialised, driver
-libraries mapped, fix states).
+Started by the launcher (``launch.start_ranks``) as ``python -m <package>.app.convert_worker
+SPEC RANK``; the rank's life, its event records and its last facts are ``worker.main``'s. SPEC
+holds the direction, folders, world, parallelism and timeout.
 
 The conversion itself is Bridge's: ``AutoBridge.from_hf_pretrained``, the model provider
 (``to_megatron_provider``, ``provide_distributed_model``, its weight-loading hook),
@@ -17,14 +12,13 @@ parent's timeout on every collective, also in megatron-core's own groups), the p
 tensor-by-tensor comparison.
 
 Nothing is imported from torch, megatron or Bridge at module level: the parent and the tests
-import this module for ``PHASES``, ``Phases`` and the comparison helpers.
+import this module for ``PHASES`` and the comparison helpers.
 """
 
-import json
 import os
 import sys
-import time
-import traceback
+
+from .worker import InputProblem, VerifyMismatch, directory_size, init_gloo, main, timeout_minutes
 
 PHASES = {
     "import": ("load HF", "build model", "copy weights", "save", "verify"),
@@ -35,74 +29,6 @@ PHASES = {
 def phases_of(spec):
     """The phases a conversion of ``spec`` runs, in order (verify only when asked for)."""
     return tuple(p for p in PHASES[spec["direction"]] if p != "verify" or spec.get("verify"))
-
-
-class InputProblem(Exception):
-    """The source is at fault, not the conversion (e.g. an architecture Bridge cannot
-    convert): the parent exits with status 2."""
-
-
-class VerifyMismatch(Exception):
-    """Verification found tensors that are not equal; ``facts`` holds the counts."""
-
-    def __init__(self, message, facts):
-        super().__init__(message)
-        self.facts = facts
-
-
-def where(exc):
-    """Where ``exc`` happened: the innermost frame in megatron (core or Bridge), else the
-    innermost frame, as ``path:line in function`` with the path from its package on."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
-        return ""
-    inside = [f for f in frames if "megatron/" in f.filename.replace(os.sep, "/")]
-    frame = (inside or frames)[-1]
-    path = frame.filename.replace(os.sep, "/")
-    if "megatron/" in path:
-        path = path[path.rfind("megatron/") :]
-    elif "site-packages/" in path:
-        path = path[path.rfind("site-packages/") + len("site-packages/") :]
-    return f"{path}:{frame.lineno} in {frame.name}"
-
-
-class Phases:
-    """The phase a rank is in. ``start`` ends the current phase (ok) and records the next one's
-    start; ``fail`` records what ended the current phase."""
-
-    def __init__(self, events_path):
-        self.events = open(events_path, "a")
-        self.current, self.started = None, None
-
-    def record(self, **event):
-        self.events.write(json.dumps(dict(event, t=time.time())) + "\n")
-        self.events.flush()
-
-    def start(self, name):
-        if self.current is not None:
-            self.end()
-        self.current, self.started = name, time.perf_counter()
-        self.record(phase=name, started=True)
-
-    def end(self, **facts):
-        self.record(phase=self.current, ok=True, seconds=time.perf_counter() - self.started, **facts)
-        self.current = None
-
-    def fail(self, exc):
-        text = str(exc).strip()
-        message = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-        mismatch = isinstance(exc, VerifyMismatch)  # a result, not a crash: no traceback
-        self.record(
-            phase=self.current,
-            ok=False,
-            seconds=time.perf_counter() - self.started if self.started is not None else None,
-            error=text if mismatch else message,
-            input=isinstance(exc, InputProblem),
-            mismatch=mismatch,
-            where="" if mismatch else where(exc),
-            traceback="" if mismatch else traceback.format_exc()[-6000:],
-            **getattr(exc, "facts", {}),
-        )
 
 
 # --- Reading safetensors and comparing tensors ---
@@ -186,34 +112,10 @@ def has_tokenizer(folder):
     return any(os.path.exists(os.path.join(folder, name)) for name in TOKENIZER_FILES)
 
 
-def directory_size(path):
-    return sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(path) for n in names)
-
-
 # --- The conversion ---
 
 
-def init_gloo(spec, rank):
-    """The Gloo process group of this conversion on loopback; every collective on it (and on
-    megatron-core's groups, ``timeout_minutes``) gives up after ``spec["timeout"]`` seconds."""
-    import datetime
-
-    import torch
-
-    torch.distributed.init_process_group(
-        "gloo",
-        init_method=f"tcp://{spec['address']}:{spec['port']}",
-        rank=rank,
-        world_size=spec["ranks"],
-        timeout=datetime.timedelta(seconds=spec["timeout"]),
-    )
-
-
-def timeout_minutes(spec):
-    return spec["timeout"] / 60
-
-
-def _auto_bridge():
+def auto_bridge():
     try:
         from megatron.bridge import AutoBridge
     except ImportError as exc:
@@ -277,7 +179,7 @@ def run_import(spec, rank, phases):
     phases.start("load HF")
     import torch
 
-    AutoBridge = _auto_bridge()
+    AutoBridge = auto_bridge()
     dtype = getattr(torch, spec["dtype"]) if spec.get("dtype") else None
     bridge = bridge_for(AutoBridge, spec["hf"], **({"torch_dtype": dtype} if dtype else {}))
     init_gloo(spec, rank)
@@ -319,7 +221,7 @@ def run_import(spec, rank, phases):
 
 def run_export(spec, rank, phases):
     phases.start("load HF config")
-    AutoBridge = _auto_bridge()
+    AutoBridge = auto_bridge()
     bridge = bridge_for(AutoBridge, spec["hf_config"])
     init_gloo(spec, rank)
     from megatron.core import parallel_state
@@ -358,86 +260,10 @@ def verify(bridge, model, reference, rank, phases, dtype):
     phases.end(**facts)
 
 
-def final_facts():
-    import torch
-
-    from . import status
-    from ._mcore_tree import mcore_version
-    from .doctor import driver_libraries
-
-    facts = {
-        "torch": torch.__version__,
-        "megatron_core": mcore_version(),
-        "cuda_initialized": torch.cuda.is_initialized(),
-        "driver_libraries": driver_libraries(),
-        "fixes": {name: fix["state"] for name, fix in status().items()},
-    }
-    if "megatron.bridge" in sys.modules:
-        try:
-            from megatron.bridge.package_info import __version__ as bridge_version
-
-            facts["megatron_bridge"] = bridge_version
-        except ImportError:
-            pass
-    return facts
-
-
-def end_with_parent(interval=2.0):
-    """End this rank, and what it started, once the parent command is gone (killed without a
-    chance to stop its ranks): a rank must not convert, or wait for peers, for nobody."""
-    import signal
-    import threading
-
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(interval)
-        if os.getpgrp() == os.getpid():  # a session of its own, as convert starts it
-            os.killpg(os.getpgrp(), signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
-
-
-def main(spec_path, rank, run=None, phases_class=Phases):
-    """Run one rank: ``run(spec, rank, phases)`` (default: the conversion the spec's direction
-    names), its phases recorded by a ``phases_class`` (``mcore-cpu-shim demo`` passes its own
-    steps and a ``Phases`` that runs each phase under ``forbid_cuda()``), then the facts; exits."""
-    end_with_parent()
-    with open(spec_path) as f:
-        spec = json.load(f)
-    phases = phases_class(os.path.join(spec["events"], f"rank{rank}.jsonl"))
-    facts = {}
-    ok = False
-    try:
-        (run or (run_import if spec["direction"] == "import" else run_export))(spec, rank, phases)
-        if phases.current is not None:
-            phases.end()
-        ok = True
-    except BaseException as exc:  # noqa: BLE001  (report whatever ended the phase)
-        phases.fail(exc)
-    try:
-        facts.update(final_facts())
-    except Exception as exc:  # noqa: BLE001
-        facts["facts_error"] = f"{type(exc).__name__}: {exc}"
-    phases.record(done=True, ok=ok, **facts)
-    if ok:
-        import torch
-
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    # A failed rank may leave others waiting in a collective, and its exit handlers with them:
-    # leave at once (the parent ends the others), but not without the helper processes
-    # megatron-core's checkpoint writer started.
-    import multiprocessing
-
-    for child in multiprocessing.active_children():
-        child.kill()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if ok else 1)
+def run(spec, rank, phases):
+    """The conversion the spec's direction names."""
+    (run_import if spec["direction"] == "import" else run_export)(spec, rank, phases)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), run)

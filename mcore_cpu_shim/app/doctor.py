@@ -26,15 +26,7 @@ import json
 import os
 import sys
 
-# Libraries of the NVIDIA driver: mapped only when something asked the driver (a process
-# that "touches no CUDA" on a driverless host maps none of these).
-DRIVER_LIBRARIES = ("libcuda.so", "libcudadebugger.so", "libnvidia-")
-# CUDA toolkit libraries: a CUDA build of torch maps these at import, with or without a driver.
-CUDA_LIBRARIES = (
-    "libcudart.so", "libnvrtc", "libnvJitLink", "libcublas", "libcudnn", "libnccl", "libcufft",
-    "libcufile", "libcurand", "libcusolver", "libcusparse", "libcupti", "libnvshmem",
-    "libnvToolsExt", "libnvjpeg",
-)
+from ..tripwire import CUDA_LIBRARIES, DRIVER_LIBRARIES, mapped_libraries
 
 
 def add_parser(subparsers):
@@ -45,26 +37,6 @@ def add_parser(subparsers):
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(func=run_doctor)
-
-
-def mapped_libraries():
-    """Base names of the shared libraries mapped into this process (Linux /proc), or None."""
-    try:
-        with open("/proc/self/maps") as maps:
-            lines = maps.read().splitlines()
-    except OSError:
-        return None
-    names = set()
-    for line in lines:
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and ".so" in fields[5]:
-            names.add(os.path.basename(fields[5].strip()))
-    return sorted(names)
-
-
-def driver_libraries():
-    """The NVIDIA driver libraries mapped into this process ([] where /proc is absent)."""
-    return [name for name in mapped_libraries() or [] if name.startswith(DRIVER_LIBRARIES)]
 
 
 def megatron_core_found():
@@ -83,7 +55,7 @@ def megatron_core_found():
 def _megatron_bridge(engine, report):
     """Megatron-Bridge, if installed: its version and whether ``import megatron.bridge`` works
     here (the shim active, as in a conversion); a failing import is a problem."""
-    from ._mcore_tree import bridge_version, module_file
+    from ..engine import bridge_version, module_file
 
     if module_file("megatron.bridge") is None:
         return {"version": None}
@@ -192,8 +164,9 @@ def _version(te):
 
 def collect():
     """The report as a dict (what ``--json`` prints)."""
-    package = importlib.import_module(__name__.rpartition(".")[0])
-    from . import _te_guard, engine
+    from .. import engine, te_guard
+
+    package = importlib.import_module(engine.PACKAGE)
 
     report = {
         "shim": {"version": package.__version__, "package": engine.PACKAGE,
@@ -220,7 +193,7 @@ def collect():
     if installed:
         core = sys.modules.get("megatron.core")
         report["megatron_core"]["path"] = os.path.dirname(core.__file__) if core else None
-    report["transformer_engine"] = _transformer_engine(_te_guard, report)
+    report["transformer_engine"] = _transformer_engine(te_guard, report)
 
     # Read before this report asks torch about devices: what the imports above mapped.
     libraries = mapped_libraries()
