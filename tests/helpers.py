@@ -469,3 +469,12 @@ def cpu_logits(model, batch=2, tokens=8):
     model.eval()
     with torch.no_grad():
         return model(input_ids, position_ids, None)
+
+
+def convert_process(*args, timeout=600):
+    """``python -m mcore_cpu_shim convert ARGS`` in a fresh interpreter, as a user runs it."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    return subprocess.run(
+        [sys.executable, "-m", "mcore_cpu_shim", "convert", *map(str, args)],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )

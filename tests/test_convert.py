@@ -11,12 +11,11 @@ is the one reported, and a Gloo collective gives up after the timeout. The compa
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 
 import pytest
-from helpers import MODE, once_per_python
+from helpers import MODE, convert_process, once_per_python
 
 pytestmark = [
     pytest.mark.cuda_hidden,
@@ -49,15 +48,6 @@ def convert(*args, capsys):
         code = exc.code
     out, err = capsys.readouterr()
     return code, out, err
-
-
-def convert_process(*args, timeout=600):
-    """``python -m mcore_cpu_shim convert ARGS`` in a fresh interpreter, as a user runs it."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    return subprocess.run(
-        [sys.executable, "-m", "mcore_cpu_shim", "convert", *map(str, args)],
-        env=env, capture_output=True, text=True, timeout=timeout,
-    )
 
 
 # --- Stand-in model folders, written without torch or transformers ---
@@ -114,6 +104,23 @@ def test_config_without_architectures(tmp_path, capsys):
     code, _, err = convert("import", "--hf", hf, "--out", tmp_path / "out", capsys=capsys)
     assert code == 2
     assert 'names no "architectures"' in err and "LlamaForCausalLM" in err
+
+
+@pytest.mark.parametrize("quantization, architecture, said", [
+    ({"quant_method": "awq", "bits": 4}, "LlamaForCausalLM", "quant_method 'awq' is not a layout this conversion reads"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "LlamaForCausalLM", "quant_method 'bitsandbytes'"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "DeepseekV3ForCausalLM",
+     "FP8 block-quantized weights (quant_method \"fp8\", *_scale_inv) are not converted yet"),
+    ({"quant_method": "mxfp4"}, "LlamaForCausalLM", "MXFP4 weights convert for GPT-OSS (GptOssForCausalLM)"),
+])
+def test_a_quantization_it_cannot_read_exactly_is_refused_first(tmp_path, capsys, quantization, architecture, said):
+    hf = fake_hf(tmp_path / "hf", architectures=(architecture,))
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(dict(config, quantization_config=quantization)))
+    code, _, err = convert("import", "--hf", hf, "--out", tmp_path / "out", capsys=capsys)
+    assert code == 2, err
+    assert said in err and "dequantize it first" in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_source_without_safetensors(tmp_path, capsys):
@@ -353,7 +360,8 @@ def test_an_input_problem_in_a_rank_exits_2(tmp_path, capsys):
 def test_compare_counts_every_tensor(tmp_path):
     torch = pytest.importorskip("torch")
     safetensors_torch = pytest.importorskip("safetensors.torch")
-    from mcore_cpu_shim.app.convert_worker import SafetensorsFolder, check_comparison, compare
+    from mcore_cpu_shim.app.convert_worker import check_comparison, compare
+    from mcore_cpu_shim.app.quantized import SafetensorsFolder
     from mcore_cpu_shim.app.worker import VerifyMismatch
 
     a, b, c = torch.randn(3, 2).bfloat16(), torch.randn(4).bfloat16(), torch.randn(2).bfloat16()

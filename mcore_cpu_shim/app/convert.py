@@ -33,6 +33,7 @@ from .inputs import (
     check_megatron,
     check_out,
     check_packages,
+    check_quantization,
     check_safetensors,
     existing_folder,
     positive,
@@ -96,6 +97,7 @@ def check(args):
             raise InputError(f"--ranks {ranks} is not a multiple of --tp {args.tp} x --ep {args.ep}")
         hf = existing_folder(args.hf, "--hf", "the Hugging Face model folder: config.json and *.safetensors")
         config = read_config(hf, "--hf")
+        check_quantization(config, hf)
         source = check_safetensors(hf, "--hf")
         out = check_out(args.out, [("--hf", hf)], args.overwrite)
         spec = dict(hf=hf, dtype=args.dtype, tp=args.tp, ep=args.ep, ranks=ranks)

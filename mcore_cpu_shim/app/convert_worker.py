@@ -18,6 +18,8 @@ import this module for ``PHASES`` and the comparison helpers.
 import os
 import sys
 
+from .hf_layout import check_complete, expected_tensors, stage_config
+from .quantized import source_tensors
 from .worker import InputProblem, VerifyMismatch, directory_size, init_gloo, main, timeout_minutes
 
 PHASES = {
@@ -32,30 +34,6 @@ def phases_of(spec):
 
 
 # --- Reading safetensors and comparing tensors ---
-
-
-class SafetensorsFolder:
-    """The tensors of the ``*.safetensors`` files in a folder, read one at a time."""
-
-    def __init__(self, folder):
-        from safetensors import safe_open
-
-        self.files = {}
-        for name in sorted(os.listdir(folder)):
-            if name.endswith(".safetensors"):
-                path = os.path.join(folder, name)
-                with safe_open(path, framework="pt") as f:
-                    for key in f.keys():
-                        self.files[key] = path
-
-    def names(self):
-        return list(self.files)
-
-    def get(self, name):
-        from safetensors import safe_open
-
-        with safe_open(self.files[name], framework="pt") as f:
-            return f.get_tensor(name)
 
 
 def compare(exported, expected, dtype=None):
@@ -222,7 +200,12 @@ def run_import(spec, rank, phases):
 def run_export(spec, rank, phases):
     phases.start("load HF config")
     AutoBridge = auto_bridge()
-    bridge = bridge_for(AutoBridge, spec["hf_config"])
+    # The tensors to write come from the architecture of --hf-config's config.json, not from
+    # the names in its files (an MXFP4 source names *_blocks/*_scales; a config-only folder
+    # none): Bridge reads a staged copy whose index lists exactly them.
+    expected = expected_tensors(spec["hf_config"])
+    bridge = bridge_for(AutoBridge, stage_config(spec["hf_config"], os.path.join(spec["events"], f"hf-config{rank}"),
+                                                 expected))
     init_gloo(spec, rank)
     from megatron.core import parallel_state
 
@@ -237,9 +220,15 @@ def run_export(spec, rank, phases):
         # save_hf_pretrained saves the tokenizer with the model, and loading one the folder does
         # not have fails: there is none to save (Bridge's public setter; the rest as it does).
         bridge.hf_pretrained.tokenizer = None
-    # As export_ckpt: strict=False (verify below is the check)
+    # strict=False writes a shard even where the model yields fewer tensors than the index
+    # lists, and skips a tensor the index does not list: check_complete is the check (every
+    # tensor of the architecture, nothing else, each in its shape), before anything is kept.
     bridge.save_hf_pretrained(model, spec["out"], show_progress=False, strict=False)
-    phases.end(**({"size": directory_size(spec["out"])} if rank == 0 else {}))
+    if rank == 0:
+        complete = check_complete(spec["out"], expected)
+        phases.end(size=directory_size(spec["out"]), expected=complete["expected"])
+    else:
+        phases.end()
 
     if spec.get("verify"):
         phases.start("verify")
@@ -247,15 +236,16 @@ def run_export(spec, rank, phases):
 
 
 def verify(bridge, model, reference, rank, phases, dtype):
-    """Export ``model``'s weights with Bridge and compare them with the safetensors in
-    ``reference`` on rank 0 (the other ranks take part in the gathers)."""
+    """Export ``model``'s weights with Bridge and compare them with the model in the folder
+    ``reference`` on rank 0 (the other ranks take part in the gathers): its tensors, dequantized
+    by this project's own decoding where the folder is quantized (``quantized.source_tensors``)."""
     exported = bridge.export_hf_weights(model, cpu=True, show_progress=False)
     if rank != 0:
         for _ in exported:
             pass
         phases.end()
         return
-    facts = compare(exported, SafetensorsFolder(reference), dtype=dtype)
+    facts = compare(exported, source_tensors(reference), dtype=dtype)
     check_comparison(facts)
     phases.end(**facts)
 

@@ -26,7 +26,8 @@ import sys
 
 from . import convert_worker, passes
 from .convert_worker import PHASES as CONVERT_PHASES
-from .convert_worker import SafetensorsFolder, check_comparison, compare
+from .convert_worker import check_comparison, compare
+from .quantized import SafetensorsFolder
 from .passes import Group
 from .worker import VerifyMismatch, directory_size, main
 

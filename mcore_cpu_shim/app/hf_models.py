@@ -113,8 +113,10 @@ def config(family: str, **overrides):
     return cls(**fields)
 
 
-def write(family: str, folder, dtype: str = "bfloat16", seed: int = 0, **overrides) -> str:
-    """Write a tiny randomly initialised ``family`` model to ``folder``; returns the folder."""
+def write(family: str, folder, dtype: str = "bfloat16", seed: int = 0, shard_size=None, **overrides) -> str:
+    """Write a tiny randomly initialised ``family`` model to ``folder``; returns the folder.
+    ``shard_size``: ``save_pretrained``'s ``max_shard_size`` (e.g. ``"10MB"``: several shards
+    and a ``model.safetensors.index.json``)."""
     import torch
     import transformers
 
@@ -134,8 +136,58 @@ def write(family: str, folder, dtype: str = "bfloat16", seed: int = 0, **overrid
             # float32 in the released DeepSeek-V3 checkpoint (and in Megatron's router)
             buffer.data = buffer.data.float()
     os.makedirs(folder, exist_ok=True)
-    model.save_pretrained(folder, safe_serialization=True)
+    model.save_pretrained(folder, safe_serialization=True, **({"max_shard_size": shard_size} if shard_size else {}))
     tokenizer(cfg.vocab_size).save_pretrained(folder)
+    return str(folder)
+
+
+def write_mxfp4(folder, reference, seed: int = 0, **overrides) -> str:
+    """A tiny GPT-OSS in the layout its published checkpoints have: the expert weights in MXFP4
+    (``*_blocks``, ``*_scales``; ``app/quantized.py``), the rest bfloat16, and
+    ``quantization_config.quant_method = "mxfp4"`` in config.json. ``reference``: where to write
+    the same model unquantized (the expert weights as the blocks decode, exactly), the
+    reference of every comparison. Returns ``folder``."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from .quantized import E2M1
+
+    write("gpt-oss", reference, seed=seed, **overrides)
+    table = torch.tensor(E2M1[:8])  # the magnitudes
+    originals, quantized = tensors(reference), {}
+    for name, value in originals.items():
+        if ".mlp.experts." not in name or name.endswith("_bias"):
+            quantized[name] = value
+            continue
+        rows = value.transpose(-1, -2).float()  # [experts, out, in]: blocks along the input
+        groups = rows.reshape(*rows.shape[:-1], -1, 32)
+        # The scale: the smallest power of two that brings the block's largest value to <= 6.
+        peak = groups.abs().amax(-1, keepdim=True).clamp(min=2.0**-100)
+        exponent = torch.ceil(torch.log2(peak / 6.0)).clamp(-127, 127)
+        scaled = groups / torch.pow(2.0, exponent)
+        magnitude = (scaled.abs().unsqueeze(-1) - table).abs().argmin(-1)
+        codes = (magnitude + 8 * (scaled < 0)).to(torch.uint8)
+        quantized[f"{name}_blocks"] = (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+        quantized[f"{name}_scales"] = (exponent.squeeze(-1) + 127).to(torch.uint8).contiguous()
+        decoded = torch.tensor(E2M1)[codes.long()] * torch.pow(2.0, exponent)
+        originals[name] = decoded.reshape(rows.shape).transpose(-1, -2).to(value.dtype).contiguous()
+    for file in [n for n in os.listdir(reference) if n.endswith(".safetensors")]:
+        os.remove(os.path.join(reference, file))
+    save_file(originals, os.path.join(reference, "model.safetensors"), metadata={"format": "pt"})
+    os.makedirs(folder, exist_ok=True)
+    for file in os.listdir(reference):
+        if not file.endswith(".safetensors"):
+            with open(os.path.join(reference, file), "rb") as source, open(os.path.join(folder, file), "wb") as copy:
+                copy.write(source.read())
+    save_file(quantized, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
     return str(folder)
 
 

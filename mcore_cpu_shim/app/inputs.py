@@ -135,6 +135,29 @@ def check_safetensors(folder, option, required=True):
     return {"files": len(names), "tensors": count, "bytes": total}
 
 
+def check_quantization(config, folder):
+    """The quantization of a model to import (None or ``"mxfp4"``); InputError for one this
+    conversion cannot read exactly."""
+    from .quantized import quant_method
+
+    method = quant_method(config)
+    path = os.path.join(folder, "config.json")
+    redo = "dequantize it first (load it with transformers and save_pretrained it in bfloat16)"
+    if method is None:
+        return None
+    if method == "mxfp4":
+        if config.get("architectures") != ["GptOssForCausalLM"]:
+            raise InputError(f"{path}: MXFP4 weights convert for GPT-OSS (GptOssForCausalLM), not "
+                             f"{config.get('architectures')}: {redo}")
+        return method
+    if method == "fp8":
+        raise InputError(f"{path}: FP8 block-quantized weights (quant_method \"fp8\", *_scale_inv) are not "
+                         "converted yet: Megatron-Bridge 0.3.1 would load the float8 values without their "
+                         f"scales, and Megatron-Bridge main dequantizes them for a few architectures only; {redo}")
+    raise InputError(f"{path}: quant_method {method!r} is not a layout this conversion reads (it reads "
+                     f"unquantized safetensors and GPT-OSS's MXFP4): use the unquantized model, or {redo}")
+
+
 def check_megatron(path):
     real = existing_folder(path, "--megatron", "the folder `convert import --out` wrote")
     candidates = [real] + sorted(

@@ -243,7 +243,8 @@ def report_failure(prog, failure, folder):
         print(f"{prog}: error: {failure['error'].split(': ', 1)[-1]}", file=sys.stderr)
         return 2
     if failure.get("mismatch"):
-        print(f"{prog}: verify failed, the output was not kept: {failure['error']}", file=sys.stderr)
+        step = "verify" if failure.get("phase") in (None, "verify") else f"the check in '{failure['phase']}'"
+        print(f"{prog}: {step} failed, the output was not kept: {failure['error']}", file=sys.stderr)
         return 1
     phase = f" in '{failure['phase']}'" if failure.get("phase") else ""
     print(f"{prog}: rank {failure['rank']} failed{phase}: {failure['error']}", file=sys.stderr)
