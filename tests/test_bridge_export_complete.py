@@ -156,3 +156,27 @@ def test_the_architecture_decides_what_an_export_writes(tmp_path):
     assert "missing (e.g. model.layers.%d." % layers in exported.stderr, exported.stderr
     assert "  save HF: FAILED" in exported.stdout
     assert not out.exists()
+
+
+def test_a_source_that_is_not_the_model_its_config_describes_is_refused(tmp_path):
+    """Before any work: a source tensor missing, or in another shape than config.json says,
+    is an input problem named with the fix (exit 2), and nothing is written."""
+    import torch
+    from mcore_cpu_shim.app import hf_layout
+    from mcore_cpu_shim.app.quantized import source_tensors
+    from mcore_cpu_shim.app.worker import InputProblem
+
+    source = hf_model("llama")
+    hf_layout.check_source(source_tensors(source), hf_layout.expected_tensors(source), source)  # whole: passes
+    short = copy_without(source, tmp_path / "short", drop=["model.layers.1.mlp.down_proj.weight"])
+    with pytest.raises(InputProblem, match=r"1 missing \(e.g. model.layers.1.mlp.down_proj.weight\)"):
+        hf_layout.check_source(source_tensors(short), hf_layout.expected_tensors(short), short)
+    extra = copy_without(source, tmp_path / "extra", add={"model.layers.2.mtp.weight": torch.zeros(2)})
+    hf_layout.check_source(source_tensors(extra), hf_layout.expected_tensors(extra), extra)  # beyond: the converter's
+
+    wrong = copy_without(source, tmp_path / "wrong", reshape=["model.norm.weight"])
+    out = tmp_path / "out"
+    result = convert_process("import", "--hf", wrong, "--out", out)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "model.norm.weight [65] (config.json: [64])" in result.stderr and "Traceback" not in result.stderr
+    assert not out.exists()

@@ -18,7 +18,7 @@ import this module for ``PHASES`` and the comparison helpers.
 import os
 import sys
 
-from .hf_layout import check_complete, expected_tensors, stage_config
+from .hf_layout import check_complete, check_source, expected_tensors, stage_config
 from .quantized import source_tensors
 from .worker import InputProblem, VerifyMismatch, directory_size, init_gloo, main, timeout_minutes
 
@@ -160,6 +160,8 @@ def run_import(spec, rank, phases):
     AutoBridge = auto_bridge()
     dtype = getattr(torch, spec["dtype"]) if spec.get("dtype") else None
     bridge = bridge_for(AutoBridge, spec["hf"], **({"torch_dtype": dtype} if dtype else {}))
+    # Before any work: the files hold the model config.json describes (names and shapes).
+    check_source(source_tensors(spec["hf"]), expected_tensors(spec["hf"]), spec["hf"])
     init_gloo(spec, rank)
 
     phases.start("build model")

@@ -69,6 +69,25 @@ def expected_tensors(folder):
     return shapes, optional
 
 
+def check_source(source, expected, folder):
+    """Raise ``InputProblem`` where the model in ``folder`` (``source``: its tensors as
+    ``quantized.source_tensors`` reads them) lacks a tensor of the architecture its config.json
+    describes (``expected``), or holds one in another shape: the conversion would fail later,
+    or convert another model than the config says. Tensors beyond the architecture (e.g.
+    DeepSeek-V3's multi-token-prediction layer) are left to the converter."""
+    required, optional = expected
+    names = set(source.names())
+    missing = sorted(set(required) - names)
+    misshaped = sorted(f"{n} {list(source.shape(n))} (config.json: {list(want)})"
+                       for n, want in {**required, **optional}.items() if n in names and source.shape(n) != want)
+    problems = [f"{len(items)} {what} (e.g. {', '.join(items[:3])})"
+                for items, what in ((missing, "missing"), (misshaped, "of another shape than its config.json says"))
+                if items]
+    if problems:
+        raise InputProblem(f"{folder} does not hold the model its config.json describes: {'; '.join(problems)}; "
+                           "copy or download the model again, or fix its config.json")
+
+
 def written_tensors(folder):
     """``{name: shape}`` of the tensors in the ``*.safetensors`` files of ``folder`` (headers
     only)."""

@@ -58,13 +58,14 @@ class SafetensorsFolder:
     def __init__(self, folder):
         from safetensors import safe_open
 
-        self.files = {}
+        self.files, self.shapes = {}, {}
         for name in sorted(os.listdir(folder)):
             if name.endswith(".safetensors"):
                 path = os.path.join(folder, name)
                 with safe_open(path, framework="pt") as f:
                     for key in f.keys():
                         self.files[key] = path
+                        self.shapes[key] = tuple(f.get_slice(key).get_shape())
 
     def names(self):
         return list(self.files)
@@ -74,6 +75,10 @@ class SafetensorsFolder:
 
         with safe_open(self.files[name], framework="pt") as f:
             return f.get_tensor(name)
+
+    def shape(self, name):
+        """The tensor's shape, from its file's header (nothing read)."""
+        return self.shapes[name]
 
 
 class SourceTensors:
@@ -101,6 +106,14 @@ class SourceTensors:
 
     def names(self):
         return self.plain + sorted(self.decoded)
+
+    def shape(self, name):
+        """The dequantized tensor's shape, from the headers (nothing decoded)."""
+        kind = self.decoded.get(name)
+        if kind == "mxfp4":  # blocks [..., out, groups, 16] -> [..., in = groups x 32, out]
+            *outer, out, groups, _ = self.source.shape(f"{name}_blocks")
+            return (*outer, groups * 32, out)
+        return self.source.shape(name)
 
     def get(self, name):
         kind = self.decoded.get(name)
