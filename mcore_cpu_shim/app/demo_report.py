@@ -27,8 +27,10 @@ def _delivery(facts):
 
 
 def _facts(result):
-    """The facts of the first rank of a pass that recorded them ({} if none did)."""
-    return next((r for r in result["ranks"] if r and "fixes" in r), {})
+    """The facts of a pass's first rank that recorded them, preferring one that imported
+    Megatron-Bridge (its versions and fix states); {} if none did."""
+    finished = [r for r in result["ranks"] if r and "fixes" in r]
+    return next((r for r in finished if r.get("megatron_bridge")), finished[0] if finished else {})
 
 
 def _guard_text(guard):
@@ -38,27 +40,21 @@ def _guard_text(guard):
     return text + (f" ({guard['reason']})" if guard.get("reason") else "")
 
 
-def summarise(args, results, folder):
-    """The megatron-core-only round trip's summary."""
+def _summary(args, results, folder, round_trip, steps, tensors, equal, result_checks):
+    """What both round trips' summaries hold; ``result_checks``: the round trip's own checks
+    (tensors, logits), between "every step passed" and the CUDA checks."""
     without, shim = results["without shim"], results["with shim"]
-    ranks = [r for r in shim["ranks"] if r is not None]
-    complete = bool(ranks) and len(ranks) == len(shim["ranks"]) and all("cuda_initialized" in r for r in ranks)
-    first = ranks[0] if ranks else {}
-    tensors = sum(r.get("tensors", 0) for r in ranks)
-    equal = sum(r.get("equal", 0) for r in ranks)
-    cuda = [r.get("cuda_initialized") for r in ranks]
-    drivers = sorted({lib for r in ranks for lib in r.get("driver_libraries", [])})
-    checks = {
-        "every step passed": all(shim["steps"][s]["ok"] for s in STEPS),
-        "every tensor equal": tensors > 0 and tensors == equal,
-        "logits equal": complete and all(r.get("logits_equal") for r in ranks),
-        "CUDA never initialised": complete and not any(cuda),
-        "no driver library mapped": complete and not drivers,
-    }
-    baseline_failed = [s for s in STEPS if without["steps"][s]["ok"] is False]
+    finished = [r for r in shim["ranks"] if r is not None]
+    complete = bool(finished) and len(finished) == len(shim["ranks"]) and all("cuda_initialized" in r for r in finished)
+    cuda = [r.get("cuda_initialized") for r in finished]
+    drivers = sorted({lib for r in finished for lib in r.get("driver_libraries", [])})
+    checks = {"every step passed": all(shim["steps"][s]["ok"] for s in steps), **result_checks,
+              "CUDA never initialised": complete and not any(cuda), "no driver library mapped": complete and not drivers}
+    baseline_failed = [s for s in steps if without["steps"][s]["ok"] is False]
+    first = _facts(shim)
     return {
-        "round_trip": MEGATRON_ONLY,
-        "step_names": list(STEPS),
+        "round_trip": round_trip,
+        "step_names": list(steps),
         "passed": all(checks.values()),
         "checks": checks,
         "megatron_core": first.get("megatron_core"),
@@ -66,12 +62,8 @@ def summarise(args, results, folder):
         "delivery": {label: _delivery(_facts(results[label])) for label, _ in PASSES},
         "te_guard": {label: _facts(results[label]).get("te_guard") for label, _ in PASSES},
         "fixes": first.get("fixes", {}),
-        "features": first.get("features", {}),
-        "model": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "query_groups", "ffn",
-                                                 "experts", "topk", "vocab", "seq_len")},
         "ranks": args.ranks,
         "expert_parallel": args.ep,
-        "parameters": first.get("parameters"),
         "tensors_compared": tensors,
         "tensors_equal": equal,
         "cuda_initialized": any(cuda) if complete else None,
@@ -80,66 +72,46 @@ def summarise(args, results, folder):
         "passes": results,
         "output_dir": folder if args.keep else None,
     }
+
+
+def summarise(args, results, folder):
+    """The megatron-core-only round trip's summary."""
+    ranks = results["with shim"]["ranks"]
+    finished = [r for r in ranks if r is not None]
+    tensors = sum(r.get("tensors", 0) for r in finished)
+    equal = sum(r.get("equal", 0) for r in finished)
+    own = {"every tensor equal": tensors > 0 and tensors == equal,
+           "logits equal": bool(ranks) and all(r is not None and r.get("logits_equal") for r in ranks)}
+    summary = _summary(args, results, folder, MEGATRON_ONLY, STEPS, tensors, equal, own)
+    first = _facts(results["with shim"])
+    summary.update(
+        features=first.get("features", {}), parameters=first.get("parameters"),
+        model={k: getattr(args, k) for k in ("layers", "hidden", "heads", "query_groups", "ffn", "experts", "topk",
+                                             "vocab", "seq_len")})
+    return summary
 
 
 def summarise_bridge(args, results, folder):
     """The Megatron-Bridge round trip's summary."""
     from .demo_bridge import STEPS as BRIDGE_STEPS
 
-    without, shim = results["without shim"], results["with shim"]
-    steps = shim["steps"]
-    workers = shim["ranks"]
-    complete = bool(workers) and all(r is not None and "cuda_initialized" in r for r in workers)
-    finished = [r for r in workers if r is not None]
-    cuda = [r.get("cuda_initialized") for r in finished]
-    drivers = sorted({lib for r in finished for lib in r.get("driver_libraries", [])})
-    # The facts of a worker that imported Megatron-Bridge (versions, fix states).
-    first = next((r for r in finished if r.get("megatron_bridge")), finished[0] if finished else {})
+    steps = results["with shim"]["steps"]
     written = steps[BRIDGE_STEPS[0]].get("facts", {})
     compared = steps[BRIDGE_STEPS[3]].get("facts", {})
     logits = steps[BRIDGE_STEPS[4]].get("facts") or None
     tensors, equal = compared.get("tensors", 0), compared.get("equal", 0)
-    checks = {
-        "every step passed": all(steps[s]["ok"] for s in BRIDGE_STEPS),
-        "every tensor equal": tensors > 0 and tensors == equal and not compared.get("unexpected"),
-        "logits within the bar": bool(logits) and logits["max_abs_diff"] <= logits["bar"]
-        and logits["argmax_equal"] == logits["positions"],
-        "CUDA never initialised": complete and not any(cuda),
-        "no driver library mapped": complete and not drivers,
-    }
-    baseline_failed = [s for s in BRIDGE_STEPS if without["steps"][s]["ok"] is False]
-    return {
-        "round_trip": BRIDGE,
-        "step_names": list(BRIDGE_STEPS),
-        "passed": all(checks.values()),
-        "checks": checks,
-        "megatron_core": first.get("megatron_core"),
-        "megatron_bridge": first.get("megatron_bridge"),
-        "torch": first.get("torch"),
-        "transformers": next((r["transformers"] for r in finished if r.get("transformers")), None),
-        "delivery": {label: _delivery(_bridge_facts(results[label])) for label, _ in PASSES},
-        "te_guard": {label: _bridge_facts(results[label]).get("te_guard") for label, _ in PASSES},
-        "fixes": first.get("fixes", {}),
-        "model": {"family": args.model, "architecture": written.get("architecture"),
-                  "dtype": written.get("dtype"), "config": written.get("config", {}), "seq_len": args.seq_len},
-        "ranks": args.ranks,
-        "expert_parallel": args.ep,
-        "parameters": written.get("parameters"),
-        "tensors_compared": tensors,
-        "tensors_equal": equal,
-        "logits": logits,
-        "cuda_initialized": any(cuda) if complete else None,
-        "driver_libraries": drivers,
-        "without_shim_failed_at": baseline_failed[0] if baseline_failed else None,
-        "passes": results,
-        "output_dir": folder if args.keep else None,
-    }
-
-
-def _bridge_facts(result):
-    """The facts of the first worker of a Bridge pass that imported megatron (fix states)."""
-    finished = [r for r in result["ranks"] if r and "fixes" in r]
-    return next((r for r in finished if r.get("megatron_bridge")), finished[0] if finished else {})
+    own = {"every tensor equal": tensors > 0 and tensors == equal and not compared.get("unexpected"),
+           "logits within the bar": bool(logits) and logits["max_abs_diff"] <= logits["bar"]
+           and logits["argmax_equal"] == logits["positions"]}
+    summary = _summary(args, results, folder, BRIDGE, BRIDGE_STEPS, tensors, equal, own)
+    finished = [r for r in results["with shim"]["ranks"] if r is not None]
+    summary.update(
+        megatron_bridge=_facts(results["with shim"]).get("megatron_bridge"),
+        transformers=next((r["transformers"] for r in finished if r.get("transformers")), None),
+        model={"family": args.model, "architecture": written.get("architecture"), "dtype": written.get("dtype"),
+               "config": written.get("config", {}), "seq_len": args.seq_len},
+        parameters=written.get("parameters"), logits=logits)
+    return summary
 
 
 def seconds_text(value):
