@@ -1,10 +1,14 @@
-"""A GPT-OSS in the MXFP4 layout its checkpoints are published in (expert weights as
-``*_blocks``/``*_scales``, ``quant_method: mxfp4``; written locally by
-``hf_models.write_mxfp4``) converts exactly, on both Megatron-Bridge legs.
+"""Checkpoints in the quantized layouts vendors publish convert exactly, on both
+Megatron-Bridge legs: a GPT-OSS in MXFP4 (expert weights as ``*_blocks``/``*_scales``,
+``quant_method: mxfp4``; ``hf_models.write_mxfp4``) and a DeepSeek-V3 in FP8 (linear weights
+float8 e4m3 with a ``*_scale_inv`` per block, ``quant_method: fp8``; ``hf_models.write_fp8``,
+with 32 x 32 blocks so that the tiny matrices have several, and partial ones at the edges).
 
 The reference of every comparison is the dequantized model: the blocks decoded by this
-project's own MXFP4 reading (``app/quantized.py``), independent of Bridge's. Import
-``--verify`` compares with it; the export written back with the MXFP4 folder as
+project's own reading (``app/quantized.py``); for MXFP4, Bridge dequantizes on import with its
+own code, so ``--verify`` compares two independent decodings; an FP8 source is dequantized by
+convert itself (no Bridge reads the scales for every model), shard by shard, into a folder next
+to ``--out`` that is removed afterwards. The export written back with the quantized folder as
 ``--hf-config`` holds every dequantized tensor (none dropped for a name the folder's files do
 not have), no ``quantization_config``, and transformers gives the reference's logits."""
 
@@ -57,16 +61,52 @@ def test_the_reference_decoding_by_hand():
     assert values[0, :4].tolist() == [2.0, 4.0, -0.0, -24.0] and not values[0, 4:].any()
 
 
-def test_import_verify_export_and_logits(mxfp4, tmp_path):
+def test_fp8_reference_decoding_by_hand():
+    torch = pytest.importorskip("torch")
+    from mcore_cpu_shim.app.quantized import dequantize_fp8
+
+    weight = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]).to(torch.float8_e4m3fn)
+    scale_inv = torch.tensor([[2.0, 3.0], [5.0, 7.0]])  # 2 x 2 blocks over 3 x 3: partial edges
+    values = dequantize_fp8(weight, scale_inv, (2, 2), torch.float32)
+    assert values.tolist() == [[2.0, 4.0, 9.0], [8.0, 10.0, 18.0], [35.0, 40.0, 63.0]]
+
+
+@pytest.fixture(scope="module")
+def fp8(tmp_path_factory):
+    from mcore_cpu_shim.app import hf_models
+
+    root = tmp_path_factory.mktemp("fp8")
+    folder = hf_models.write_fp8(root / "deepseek-fp8", root / "reference", block=(32, 32))
+    return folder, str(root / "reference")
+
+
+def test_fp8_layout_is_the_published_one(fp8):
+    from mcore_cpu_shim.app import hf_models
+
+    folder, reference = fp8
+    stored = hf_models.tensors(folder)
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"  # 40 x 64: a partial row block
+    assert str(stored[name].dtype) == "torch.float8_e4m3fn" and list(stored[name].shape) == [40, 64]
+    assert list(stored[f"{name}_scale_inv"].shape) == [2, 2] and str(stored[f"{name}_scale_inv"].dtype) == "torch.float32"
+    for plain in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight",
+                  "model.layers.0.input_layernorm.weight"):
+        assert plain in stored and f"{plain}_scale_inv" not in stored and str(stored[plain].dtype) == "torch.bfloat16"
+
+
+@pytest.mark.parametrize("layout", ["mxfp4", "fp8"])
+def test_import_verify_export_and_logits(layout, request, tmp_path):
     import torch
     from mcore_cpu_shim.app import hf_models
     from mcore_cpu_shim.app.demo_bridge import hf_logits, tokens
 
-    folder, reference = mxfp4
+    folder, reference = request.getfixturevalue(layout)
     count = len(hf_models.tensors(reference))
     imported = convert_process("import", "--hf", folder, "--out", tmp_path / "megatron", "--verify")
     assert imported.returncode == 0, imported.stdout + imported.stderr
-    assert f"{count}/{count} tensors equal" in imported.stdout  # Bridge's decoding = ours, exactly
+    assert f"{count}/{count} tensors equal" in imported.stdout  # the dequantized model, exactly
+    if layout == "fp8":
+        assert "  dequantize: ok (" in imported.stdout
+    assert not [n for n in os.listdir(tmp_path) if ".dequantized-" in n]  # the copy is gone
 
     exported = convert_process("export", "--megatron", tmp_path / "megatron", "--hf-config", folder,
                                "--out", tmp_path / "back", "--verify")

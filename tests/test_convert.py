@@ -109,8 +109,8 @@ def test_config_without_architectures(tmp_path, capsys):
 @pytest.mark.parametrize("quantization, architecture, said", [
     ({"quant_method": "awq", "bits": 4}, "LlamaForCausalLM", "quant_method 'awq' is not a layout this conversion reads"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "LlamaForCausalLM", "quant_method 'bitsandbytes'"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "DeepseekV3ForCausalLM",
-     "FP8 block-quantized weights (quant_method \"fp8\", *_scale_inv) are not converted yet"),
+    ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "DeepseekV3ForCausalLM",
+     "FP8 as fmt 'e5m2' with weight_block_size [128, 128] is not a layout this conversion reads"),
     ({"quant_method": "mxfp4"}, "LlamaForCausalLM", "MXFP4 weights convert for GPT-OSS (GptOssForCausalLM)"),
 ])
 def test_a_quantization_it_cannot_read_exactly_is_refused_first(tmp_path, capsys, quantization, architecture, said):

@@ -34,6 +34,7 @@ from .inputs import (
     check_out,
     check_packages,
     check_quantization,
+    check_room,
     check_safetensors,
     existing_folder,
     positive,
@@ -97,10 +98,13 @@ def check(args):
             raise InputError(f"--ranks {ranks} is not a multiple of --tp {args.tp} x --ep {args.ep}")
         hf = existing_folder(args.hf, "--hf", "the Hugging Face model folder: config.json and *.safetensors")
         config = read_config(hf, "--hf")
-        check_quantization(config, hf)
+        method = check_quantization(config, hf)
         source = check_safetensors(hf, "--hf")
         out = check_out(args.out, [("--hf", hf)], args.overwrite)
         spec = dict(hf=hf, dtype=args.dtype, tp=args.tp, ep=args.ep, ranks=ranks)
+        if method == "fp8":  # dequantized into a folder next to --out first (run() makes it)
+            check_room(out, 4 * source["bytes"], "the dequantized copy of the FP8 source and the checkpoint")
+            spec["dequantize"] = True
     else:
         megatron = check_megatron(args.megatron)
         hf = existing_folder(args.hf_config, "--hf-config", "the original Hugging Face model folder, or one with its config.json")
@@ -180,6 +184,8 @@ def run(args):
     existed = os.path.isdir(out)
     backup = _move_aside(out)
     work = tempfile.mkdtemp(prefix="mcore-cpu-shim-convert-")
+    if spec.get("dequantize"):  # beside --out, where check_room found the space; removed at the end
+        spec["dequantize"] = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.dequantized-", dir=os.path.dirname(out))
     print(f"{prog}: {_describe(spec, source)}", flush=True)
     outcome = None
     previous = signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the ranks as Ctrl-C does
@@ -190,6 +196,8 @@ def run(args):
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if spec.get("dequantize"):
+            shutil.rmtree(spec["dequantize"], ignore_errors=True)
         failure = outcome["failure"] if outcome else {}
         _settle(out, backup, existed, success=failure is None)
         if failure is None or failure.get("input") or failure.get("mismatch"):

@@ -17,9 +17,10 @@ import this module for ``PHASES`` and the comparison helpers.
 
 import os
 import sys
+import time
 
 from .hf_layout import check_complete, check_source, expected_tensors, stage_config
-from .quantized import source_tensors
+from .quantized import COMPLETE, dequantize_folder, source_tensors
 from .worker import InputProblem, VerifyMismatch, directory_size, init_gloo, main, timeout_minutes
 
 PHASES = {
@@ -29,8 +30,12 @@ PHASES = {
 
 
 def phases_of(spec):
-    """The phases a conversion of ``spec`` runs, in order (verify only when asked for)."""
-    return tuple(p for p in PHASES[spec["direction"]] if p != "verify" or spec.get("verify"))
+    """The phases a conversion of ``spec`` runs, in order (verify only when asked for; an FP8
+    source is dequantized once it is read and checked)."""
+    phases = [p for p in PHASES[spec["direction"]] if p != "verify" or spec.get("verify")]
+    if spec.get("dequantize"):
+        phases.insert(1, "dequantize")
+    return tuple(phases)
 
 
 # --- Reading safetensors and comparing tensors ---
@@ -159,9 +164,22 @@ def run_import(spec, rank, phases):
 
     AutoBridge = auto_bridge()
     dtype = getattr(torch, spec["dtype"]) if spec.get("dtype") else None
-    bridge = bridge_for(AutoBridge, spec["hf"], **({"torch_dtype": dtype} if dtype else {}))
+    options = {"torch_dtype": dtype} if dtype else {}
+    bridge = bridge_for(AutoBridge, spec["hf"], **options)
     # Before any work: the files hold the model config.json describes (names and shapes).
     check_source(source_tensors(spec["hf"]), expected_tensors(spec["hf"]), spec["hf"])
+    hf = spec["hf"]
+    if spec.get("dequantize"):
+        # No Bridge reads FP8 block scales for every model (0.3.1 for none): rank 0 writes the
+        # source dequantized, shard by shard, and every rank converts that copy.
+        phases.start("dequantize")
+        if rank == 0:
+            dequantize_folder(hf, spec["dequantize"])
+        while not os.path.exists(os.path.join(spec["dequantize"], COMPLETE)):
+            time.sleep(1)  # (the parent stops this rank if rank 0 fails)
+        phases.end(**({"size": directory_size(spec["dequantize"])} if rank == 0 else {}))
+        hf = spec["dequantize"]
+        bridge = bridge_for(AutoBridge, hf, **options)
     init_gloo(spec, rank)
 
     phases.start("build model")
@@ -187,7 +205,7 @@ def run_import(spec, rank, phases):
 
     phases.start("save")
     # As import_ckpt, with the tokenizer recorded in the checkpoint, where the folder has one.
-    tokenizer = spec["hf"] if has_tokenizer(spec["hf"]) else None
+    tokenizer = hf if has_tokenizer(hf) else None
     bridge.save_megatron_model(model, spec["out"], hf_tokenizer_path=tokenizer, low_memory_save=True)
     del model
     torch.distributed.barrier()

@@ -147,10 +147,7 @@ def write_mxfp4(folder, reference, seed: int = 0, **overrides) -> str:
     ``quantization_config.quant_method = "mxfp4"`` in config.json. ``reference``: where to write
     the same model unquantized (the expert weights as the blocks decode, exactly), the
     reference of every comparison. Returns ``folder``."""
-    import json
-
     import torch
-    from safetensors.torch import save_file
 
     from .quantized import E2M1
 
@@ -173,19 +170,62 @@ def write_mxfp4(folder, reference, seed: int = 0, **overrides) -> str:
         quantized[f"{name}_scales"] = (exponent.squeeze(-1) + 127).to(torch.uint8).contiguous()
         decoded = torch.tensor(E2M1)[codes.long()] * torch.pow(2.0, exponent)
         originals[name] = decoded.reshape(rows.shape).transpose(-1, -2).to(value.dtype).contiguous()
+    return _save_quantized(folder, reference, originals, quantized, {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                   "lm_head"]})
+
+
+def write_fp8(folder, reference, block=(128, 128), seed: int = 0, **overrides) -> str:
+    """A tiny DeepSeek-V3 in the layout of the published FP8 checkpoints (DeepSeek-V3/R1,
+    Kimi-K2): every linear weight of the layers float8 e4m3 with a float32 ``*_scale_inv`` per
+    ``block`` (rows x columns; the edge blocks partial where a size is no multiple), the
+    embeddings, norms, router and output layer bfloat16, and ``quantization_config`` with
+    ``quant_method: fp8`` and ``weight_block_size``. ``reference``: where to write the same
+    model dequantized (weight x scale_inv per block, to bfloat16): the reference of every
+    comparison. Returns ``folder``."""
+    import torch
+
+    write("deepseek-v3", reference, seed=seed, **overrides)
+    originals, quantized = tensors(reference), {}
+    rows, columns = block
+    for name, value in originals.items():
+        # every linear weight of the layers but the router's (norms are one-dimensional)
+        linear = name.startswith("model.layers.") and value.dim() == 2 and not name.endswith(".mlp.gate.weight")
+        if not linear:
+            quantized[name] = value
+            continue
+        w = value.float()
+        padded = torch.nn.functional.pad(w, (0, -w.shape[1] % columns, 0, -w.shape[0] % rows))
+        blocks = padded.reshape(padded.shape[0] // rows, rows, padded.shape[1] // columns, columns)
+        scale_inv = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)  # e4m3's largest value
+        expanded = scale_inv.repeat_interleave(rows, 0)[: w.shape[0]].repeat_interleave(columns, 1)[:, : w.shape[1]]
+        stored = (w / expanded).to(torch.float8_e4m3fn)
+        quantized[name], quantized[f"{name}_scale_inv"] = stored, scale_inv.float().contiguous()
+        originals[name] = (stored.float() * expanded).to(value.dtype)
+    return _save_quantized(folder, reference, originals, quantized, {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)})
+
+
+def _save_quantized(folder, reference, decoded, stored, quantization):
+    """Write ``decoded`` as the reference's only safetensors file, and ``folder``: the
+    reference's other files, ``stored`` and ``quantization`` in its config.json."""
+    import json
+
+    from safetensors.torch import save_file
+
     for file in [n for n in os.listdir(reference) if n.endswith(".safetensors")]:
         os.remove(os.path.join(reference, file))
-    save_file(originals, os.path.join(reference, "model.safetensors"), metadata={"format": "pt"})
+    save_file(decoded, os.path.join(reference, "model.safetensors"), metadata={"format": "pt"})
     os.makedirs(folder, exist_ok=True)
     for file in os.listdir(reference):
         if not file.endswith(".safetensors"):
             with open(os.path.join(reference, file), "rb") as source, open(os.path.join(folder, file), "wb") as copy:
                 copy.write(source.read())
-    save_file(quantized, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    save_file(stored, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    config["quantization_config"] = quantization
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return str(folder)

@@ -151,11 +151,26 @@ def check_quantization(config, folder):
                              f"{config.get('architectures')}: {redo}")
         return method
     if method == "fp8":
-        raise InputError(f"{path}: FP8 block-quantized weights (quant_method \"fp8\", *_scale_inv) are not "
-                         "converted yet: Megatron-Bridge 0.3.1 would load the float8 values without their "
-                         f"scales, and Megatron-Bridge main dequantizes them for a few architectures only; {redo}")
+        quantization = config["quantization_config"]
+        block = quantization.get("weight_block_size") or [128, 128]
+        if quantization.get("fmt", "e4m3") != "e4m3" or len(block) != 2:
+            raise InputError(f"{path}: FP8 as fmt {quantization.get('fmt')!r} with weight_block_size {block} is "
+                             f"not a layout this conversion reads (it reads e4m3 with 2-D blocks): {redo}")
+        return method
     raise InputError(f"{path}: quant_method {method!r} is not a layout this conversion reads (it reads "
                      f"unquantized safetensors and GPT-OSS's MXFP4): use the unquantized model, or {redo}")
+
+
+def check_room(out, needed, what):
+    """InputError unless the file system of ``out``'s folder has ``needed`` bytes free."""
+    import shutil
+
+    from .launch import size_text
+
+    free = shutil.disk_usage(os.path.dirname(out)).free
+    if free < needed:
+        raise InputError(f"--out {out}: {what} need about {size_text(needed)}, its file system has "
+                         f"{size_text(free)} free; free some space or give another --out")
 
 
 def check_megatron(path):

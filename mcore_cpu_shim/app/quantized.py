@@ -13,10 +13,14 @@ Two layouts, named by ``config.json``'s ``quantization_config.quant_method``:
 
 ``SourceTensors`` presents a folder's tensors under the names and values of the dequantized
 model: the reference of ``convert import --verify``. It is this project's own decoding,
-independent of Megatron-Bridge's. Torch is imported on first use.
+independent of Megatron-Bridge's. ``dequantize_folder`` writes an FP8 folder dequantized, shard
+by shard, for a Bridge that would load the float8 values without their scales (0.3.1 for every
+model, main for most). Torch is imported on first use.
 """
 
+import json
 import os
+import shutil
 
 SUPPORTED = ("mxfp4", "fp8")
 # E2M1: sign, two exponent bits, one mantissa bit; index = the 4-bit code.
@@ -123,6 +127,45 @@ class SourceTensors:
         if kind == "fp8":
             return dequantize_fp8(self.source.get(name), self.source.get(f"{name}_scale_inv"), self.block, self.dtype)
         return self.source.get(name)
+
+
+COMPLETE = ".complete"  # written last into a dequantized folder
+
+
+def dequantize_folder(folder, staging):
+    """Write the FP8 model in ``folder`` to ``staging`` dequantized: each shard in turn (one
+    shard's tensors in memory at a time, never the whole model, never in float32), under the
+    same file names, without the ``*_scale_inv`` tensors; the index, config (without
+    ``quantization_config``) and tokenizer beside them; ``COMPLETE`` last."""
+    from safetensors.torch import save_file
+
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    source = source_tensors(folder)
+    os.makedirs(staging, exist_ok=True)
+    by_file = {}
+    for name in source.names():
+        stored = name if name in source.source.files else f"{name}_scale_inv"
+        by_file.setdefault(os.path.basename(source.source.files[stored]), []).append(name)
+    for file, names in sorted(by_file.items()):
+        save_file({name: source.get(name) for name in names}, os.path.join(staging, file), metadata={"format": "pt"})
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path) and not name.endswith(".safetensors") and name not in ("config.json",):
+            shutil.copy2(path, os.path.join(staging, name))
+    index = os.path.join(staging, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            content = json.load(f)
+        content["weight_map"] = {k: v for k, v in content["weight_map"].items() if not k.endswith("_scale_inv")}
+        with open(index, "w") as f:
+            json.dump(content, f, indent=1)
+    config.pop("quantization_config", None)
+    config["torch_dtype"] = str(source.dtype).replace("torch.", "")
+    with open(os.path.join(staging, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    open(os.path.join(staging, COMPLETE), "w").close()
+    return staging
 
 
 def source_tensors(folder):
