@@ -180,3 +180,21 @@ def test_a_source_that_is_not_the_model_its_config_describes_is_refused(tmp_path
     assert result.returncode == 2, result.stdout + result.stderr
     assert "model.norm.weight [65] (config.json: [64])" in result.stderr and "Traceback" not in result.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_float32_or_float16_source_comes_back_in_its_dtype(dtype, tmp_path):
+    """The checkpoint keeps the source's dtype where --dtype does not say another (the import's
+    verify compares with the source as it is), and the export gives it back exactly."""
+    import torch
+    from mcore_cpu_shim.app import hf_models
+
+    source = hf_models.write("llama", tmp_path / "hf", dtype=dtype)
+    imported = convert_process("import", "--hf", source, "--out", tmp_path / "megatron", "--verify")
+    assert imported.returncode == 0, imported.stdout + imported.stderr
+    exported = convert_process("export", "--megatron", tmp_path / "megatron", "--hf-config", source,
+                               "--out", tmp_path / "back")
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    expected, written = hf_models.tensors(source), hf_models.tensors(tmp_path / "back")
+    assert {str(t.dtype) for t in written.values()} == {f"torch.{dtype}"}
+    assert expected.keys() == written.keys() and all(torch.equal(expected[k], written[k]) for k in expected)
