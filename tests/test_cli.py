@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import MODE, expected_state, run_python, with_tests_dir
+from helpers import MODE, expected_state, once_per_python, run_python, with_tests_dir
 from test_engine import DRIFT_AT_SITE, _megatron_copy
 from test_te_guard import NO_DRIVER, fake_te
 
@@ -133,6 +133,7 @@ sys.exit(3)
 
 
 @pytest.mark.cuda_hidden
+@once_per_python()  # the autoload mechanism; which fixes apply is each release's test_fix_states
 def test_run_starts_a_script_with_the_shim_active(tmp_path):
     from test_engine import NEEDS_PRELOAD_BUG  # SCRIPT reports whether preload_tensors is replaced
 
@@ -180,6 +181,7 @@ dist.destroy_process_group()
 
 
 @pytest.mark.cuda_hidden
+@once_per_python()
 def test_run_reaches_torchrun_workers(tmp_path):
     (tmp_path / "ranks.py").write_text(RANK)
     result = cli(

@@ -1,6 +1,9 @@
 """megatron-core as a source tree: a git checkout or submodule (how Megatron-Bridge users have
 it), with no ``megatron_core-*.dist-info`` on the path. The doctor, ``mcore_cpu_shim.status()``
-and the demo's rank report work there, with the version from ``megatron.core.package_info``."""
+and the ranks' report work there, with the version from ``megatron.core.package_info``.
+
+Once per Python (the first release leg): the upstream snapshot legs run every test on a source
+tree without package metadata, and each release's fix states are its own legs' test_fix_states."""
 
 import importlib
 import importlib.util
@@ -9,7 +12,7 @@ import os
 import shutil
 
 import pytest
-from helpers import expected_state, run_python
+from helpers import expected_state, once_per_python, run_python
 from test_cli import cli
 
 # In a child whose path holds the copy and no package metadata of megatron-core: what the
@@ -56,6 +59,7 @@ def source_tree(tmp_path):
 
 
 @pytest.mark.cuda_hidden
+@once_per_python()
 def test_doctor_and_status_on_a_source_tree(tmp_path):
     from mcore_cpu_shim import fix_names
 
