@@ -370,20 +370,23 @@ def test_compare_counts_every_tensor(tmp_path):
     reference = SafetensorsFolder(str(tmp_path))
 
     facts = compare([("a", a.clone()), ("b", b.clone()), ("c", c.clone())], reference)
-    assert facts == {"tensors": 3, "equal": 3, "differing": [], "missing": [], "unexpected": []}
+    assert facts == {"tensors": 3, "equal": 3, "differing": [], "missing": [], "unexpected": [], "how": {}}
     check_comparison(facts)
 
     changed = b.clone()
     changed[0] += 1
     facts = compare([("a", a.clone()), ("b", changed), ("d", c.clone())], reference)
+    how = facts.pop("how")
     assert facts == {"tensors": 3, "equal": 1, "differing": ["b"], "missing": ["c"], "unexpected": ["d"]}
-    with pytest.raises(VerifyMismatch, match=r"1/3 tensors equal: 1 differ \(e.g. b\); 1 missing"):
-        check_comparison(facts)
+    assert list(how) == ["b"] and how["b"] == (changed.double() - b.double()).abs().max().item() > 0.9
+    with pytest.raises(VerifyMismatch, match=r"1/3 tensors equal: 1 differ \(e.g. b\); 1 missing.*; b: max abs diff \d\.\d{3}e[+-]\d\d$"):
+        check_comparison(dict(facts, how=how))
 
     # A conversion to another dtype: compared with the source cast to it, still exactly.
     facts = compare([(n, t.float()) for n, t in (("a", a), ("b", b), ("c", c))], reference, dtype=torch.float32)
     assert facts["equal"] == 3
-    assert compare([("a", a.float())], reference)["differing"] == ["a"]  # no silent casting
+    cast = compare([("a", a.float())], reference)  # no silent casting
+    assert cast["differing"] == ["a"] and cast["how"] == {"a": "dtype float32, the reference's bfloat16"}
 
 
 # --- End to end, with Megatron-Bridge ---

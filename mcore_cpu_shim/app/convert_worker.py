@@ -45,13 +45,14 @@ def compare(exported, expected, dtype=None):
     """Compare the ``(name, tensor)`` pairs of ``exported`` with the tensors of ``expected``
     (a ``SafetensorsFolder``): same dtype, same shape and ``torch.equal``; with ``dtype``, the expected tensors are cast
     to it first (a conversion to another dtype). Returns the counts and names:
-    ``{"tensors", "equal", "differing", "missing", "unexpected"}`` where ``tensors`` counts the
-    expected tensors, ``missing`` are expected ones that were never exported and
-    ``unexpected`` exported ones that are not expected."""
+    ``{"tensors", "equal", "differing", "missing", "unexpected", "how"}`` where ``tensors``
+    counts the expected tensors, ``missing`` are expected ones that were never exported,
+    ``unexpected`` exported ones that are not expected, and ``how`` says by how much the
+    worst of the differing ones differ (max abs diff, or their dtypes or shapes)."""
     import torch
 
     names = set(expected.names())
-    seen, differing, unexpected = set(), [], []
+    seen, differing, unexpected, how = set(), [], [], {}
     for name, tensor in exported:
         if name not in names:
             unexpected.append(name)
@@ -64,15 +65,25 @@ def compare(exported, expected, dtype=None):
             want = want.to(dtype)
         tensor = tensor.detach().cpu()
         # torch.equal compares values across dtypes: the dtype must match as well
-        if tensor.dtype != want.dtype or tensor.shape != want.shape or not torch.equal(tensor, want):
+        if tensor.dtype != want.dtype:
+            how[name] = f"dtype {str(tensor.dtype).replace('torch.', '')}, the reference's {str(want.dtype).replace('torch.', '')}"
+        elif tensor.shape != want.shape:
+            how[name] = f"shape {list(tensor.shape)}, the reference's {list(want.shape)}"
+        elif not torch.equal(tensor, want):
+            how[name] = (tensor.double() - want.double()).abs().max().item()
+        if name in how:
             differing.append(name)
     missing = sorted(names - seen)
+    # By how much (the ten largest value differences, then the dtype and shape ones).
+    worst = sorted((n for n in how if isinstance(how[n], float)), key=lambda n: -how[n])[:10]
+    worst += sorted(n for n in how if not isinstance(how[n], float))[: 10 - len(worst)]
     return {
         "tensors": len(names),
         "equal": len(seen) - len(differing),
         "differing": sorted(differing),
         "missing": missing,
         "unexpected": sorted(unexpected),
+        "how": {n: how[n] for n in worst},
     }
 
 
@@ -83,6 +94,8 @@ def check_comparison(facts):
                       ("unexpected", "exported but not in the reference")):
         if facts[key]:
             problems.append(f"{len(facts[key])} {text} (e.g. {', '.join(facts[key][:3])})")
+    for name, how in list(facts.get("how", {}).items())[:3]:
+        problems.append(f"{name}: " + (f"max abs diff {how:.3e}" if isinstance(how, float) else how))
     if problems or facts["tensors"] == 0:
         summary = f"{facts['equal']}/{facts['tensors']} tensors equal"
         raise VerifyMismatch(f"{summary}: {'; '.join(problems) or 'nothing to compare'}", facts)
