@@ -212,6 +212,11 @@ def test_parallelism_that_does_not_divide(tmp_path, capsys):
     assert code == 2 and "--ranks 3 is not a multiple of --tp 1 x --ep 2" in err
     code, _, err = convert("import", "--hf", hf, "--out", tmp_path / "out", "--ranks", 0, capsys=capsys)
     assert code == 2 and "must be 1 or more" in err
+    # Tensor parallelism: refused before any work, with what works instead (Bridge's copy of
+    # replicated weights needs CUDA at TP > 1 on both Bridge legs).
+    code, _, err = convert("import", "--hf", hf, "--out", tmp_path / "out", "--tp", 2, capsys=capsys)
+    assert code == 2 and "--tp 2: tensor parallelism does not convert on a host without CUDA yet" in err
+    assert "use --tp 1" in err and not (tmp_path / "out").exists()
 
 
 def test_megatron_bridge_not_installed(tmp_path, capsys, monkeypatch):
