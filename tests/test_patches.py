@@ -21,7 +21,7 @@ BRIDGE_PATCHES = PATCHES / "bridge"
 BRIDGE_MAIN = "067f987df03b8355b03192d88d70f1709fedf51a"
 BRIDGE_SNAPSHOT = ROOT.parent / "shared" / "upstream" / f"megatron-bridge-main-{BRIDGE_MAIN[:8]}.tar.xz"
 # The Bridge fixes that Megatron-Bridge main has upstream: no patch for them.
-BRIDGE_FIXED_ON_MAIN = ("bridge_yarn_config", "bridge_expert_names")
+BRIDGE_FIXED_ON_MAIN = ("bridge_yarn_config", "bridge_expert_names", "bridge_scatter_contiguous")
 
 # What each series' patches must say and touch: (Base line, source root, unit test root).
 CORE = (r"megatron-core (0\.19\.2 |main [0-9a-f]{40} )", "megatron/core/", "tests/unit_tests/")

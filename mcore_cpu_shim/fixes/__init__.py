@@ -35,7 +35,9 @@ from . import (  # noqa: E402
     bridge_local_experts,
     bridge_local_layers,
     bridge_process_group,
+    bridge_replicated_device,
     bridge_rng_state,
+    bridge_scatter_contiguous,
     bridge_te_optional,
     bridge_yarn_config,
 )
@@ -49,4 +51,6 @@ BRIDGE_FIXES = (
     bridge_yarn_config.FIX,
     bridge_expert_names.FIX,
     bridge_local_experts.FIX,
+    bridge_replicated_device.FIX,
+    bridge_scatter_contiguous.FIX,
 )
