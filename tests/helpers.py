@@ -230,7 +230,7 @@ def hf_model(family):
     return folder
 
 
-def init_gloo(store_dir, rank=0, world_size=1, expert_parallel=1):
+def init_gloo(store_dir, rank=0, world_size=1, expert_parallel=1, tensor_parallel=1):
     """A real Gloo process group over a file store, and megatron's parallel state on it."""
     import torch
     from megatron.core import parallel_state
@@ -238,7 +238,7 @@ def init_gloo(store_dir, rank=0, world_size=1, expert_parallel=1):
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world_size
     )
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=expert_parallel)
+    parallel_state.initialize_model_parallel(tensor_parallel, 1, expert_model_parallel_size=expert_parallel)
 
 
 def tiny_gpt(seed, **config):
@@ -469,6 +469,30 @@ def cpu_logits(model, batch=2, tokens=8):
     model.eval()
     with torch.no_grad():
         return model(input_ids, position_ids, None)
+
+
+def round_trip(tmp_path, family, *import_options):
+    """Write a tiny ``family`` model (app/hf_models.py) and import it with ``--verify`` and
+    ``import_options``: (its folder, its tensor count, the import's CompletedProcess)."""
+    from mcore_cpu_shim.app import hf_models
+
+    hf = hf_models.write(family, tmp_path / "hf")
+    count = len(hf_models.tensors(hf))
+    imported = convert_process("import", "--hf", hf, "--out", tmp_path / "megatron", "--verify", *import_options)
+    return hf, count, imported
+
+
+def assert_same_as(original, folder):
+    """Every tensor of the Hugging Face model in ``folder`` equals the one in ``original``, and
+    neither has a tensor the other lacks; returns how many there are."""
+    import torch
+    from mcore_cpu_shim.app import hf_models
+
+    expected, actual = hf_models.tensors(original), hf_models.tensors(folder)
+    assert expected.keys() == actual.keys()
+    differing = [k for k in expected if not torch.equal(expected[k], actual[k])]
+    assert not differing, f"{len(differing)}/{len(expected)} tensors differ: {differing}"
+    return len(expected)
 
 
 def convert_process(*args, timeout=600):

@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from helpers import MODE, convert_process, once_per_python
+from helpers import MODE, assert_same_as, convert_process, once_per_python, round_trip
 
 pytestmark = [
     pytest.mark.cuda_hidden,
@@ -212,11 +212,8 @@ def test_parallelism_that_does_not_divide(tmp_path, capsys):
     assert code == 2 and "--ranks 3 is not a multiple of --tp 1 x --ep 2" in err
     code, _, err = convert("import", "--hf", hf, "--out", tmp_path / "out", "--ranks", 0, capsys=capsys)
     assert code == 2 and "must be 1 or more" in err
-    # Tensor parallelism: refused before any work, with what works instead (Bridge's copy of
-    # replicated weights needs CUDA at TP > 1 on both Bridge legs).
-    code, _, err = convert("import", "--hf", hf, "--out", tmp_path / "out", "--tp", 2, capsys=capsys)
-    assert code == 2 and "--tp 2: tensor parallelism does not convert on a host without CUDA yet" in err
-    assert "use --tp 1" in err and not (tmp_path / "out").exists()
+    code, _, err = convert("import", "--hf", hf, "--out", tmp_path / "out", "--ranks", 3, "--tp", 2, capsys=capsys)
+    assert code == 2 and "--ranks 3 is not a multiple of --tp 2 x --ep 1" in err
 
 
 def test_megatron_bridge_not_installed(tmp_path, capsys, monkeypatch):
@@ -395,26 +392,6 @@ def test_compare_counts_every_tensor(tmp_path):
 
 
 # --- End to end, with Megatron-Bridge ---
-
-
-def assert_same_as(original, folder):
-    import torch
-    from mcore_cpu_shim.app import hf_models
-
-    expected, actual = hf_models.tensors(original), hf_models.tensors(folder)
-    assert expected.keys() == actual.keys()
-    differing = [k for k in expected if not torch.equal(expected[k], actual[k])]
-    assert not differing, f"{len(differing)}/{len(expected)} tensors differ: {differing}"
-    return len(expected)
-
-
-def round_trip(tmp_path, family, *import_options):
-    from mcore_cpu_shim.app import hf_models
-
-    hf = hf_models.write(family, tmp_path / "hf")
-    count = len(hf_models.tensors(hf))
-    imported = convert_process("import", "--hf", hf, "--out", tmp_path / "megatron", "--verify", *import_options)
-    return hf, count, imported
 
 
 @needs_bridge

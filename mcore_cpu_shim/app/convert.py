@@ -93,13 +93,6 @@ def check(args):
     """Check the arguments and folders; returns the spec for the ranks (without the paths of
     this run's own files)."""
     if args.direction == "import":
-        if args.tp > 1:
-            # Both Bridge legs fail in "copy weights" at TP > 1 (ReplicatedMapping.hf_to_megatron
-            # asks torch.cuda.current_device() for every replicated weight): say so first.
-            raise InputError(f"--tp {args.tp}: tensor parallelism does not convert on a host without CUDA yet "
-                             "(Megatron-Bridge moves every replicated weight to torch.cuda.current_device()); "
-                             "use --tp 1: the checkpoint reshards to any TP when it is loaded on GPUs, and "
-                             "--ep and --ranks work here")
         ranks = args.ranks or args.tp * args.ep
         if ranks % (args.tp * args.ep):
             raise InputError(f"--ranks {ranks} is not a multiple of --tp {args.tp} x --ep {args.ep}")

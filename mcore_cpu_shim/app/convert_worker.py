@@ -146,6 +146,12 @@ def bridge_for(AutoBridge, folder, **kwargs):
     return AutoBridge.from_hf_pretrained(folder, **kwargs)
 
 
+# Routed experts are split between ranks by --ep only, never by --tp (expert tensor parallelism
+# 1): megatron-core refuses TP-split experts with biases (GPT-OSS), and a torch_dist checkpoint
+# reshards to any expert layout when it is loaded.
+EXPERTS_WHOLE = 1
+
+
 def configure(provider, spec, dtype):
     """The parallelism of this conversion (and ``--dtype``) on a Bridge model provider."""
     import torch
@@ -153,6 +159,7 @@ def configure(provider, spec, dtype):
     provider.tensor_model_parallel_size = spec["tp"]
     provider.pipeline_model_parallel_size = 1
     provider.expert_model_parallel_size = spec["ep"]
+    provider.expert_tensor_parallel_size = EXPERTS_WHOLE
     if dtype is not None:
         provider.params_dtype = dtype
         provider.bf16 = dtype == torch.bfloat16
@@ -167,7 +174,8 @@ def load_checkpoint(bridge, folder, spec, **config):
     initialisation), with this conversion's parallelism. ``config``: further values to set on
     the config read from the checkpoint (``load_megatron_model`` sets every key of its
     overrides that the config has; e.g. ``bf16=False`` for a float32 model)."""
-    overrides = {"tensor_model_parallel_size": spec["tp"], "expert_model_parallel_size": spec["ep"], **config}
+    overrides = {"tensor_model_parallel_size": spec["tp"], "expert_model_parallel_size": spec["ep"],
+                 "expert_tensor_parallel_size": EXPERTS_WHOLE, **config}
     return bridge.load_megatron_model(folder, mp_overrides=overrides)
 
 
