@@ -78,6 +78,9 @@ BRIDGE_PATCHES = PATCHES / "bridge"
 BRIDGE_MODES = ("shim", "bridge-patched")
 BRIDGE_TESTS = ["tests/test_bridge_*.py", "tests/test_convert.py", "tests/test_demo.py", "tests/test_drift.py",
                 "tests/test_engine.py::test_every_fix_reaches_its_expected_state", "tests/test_family_mixtral.py"]
+# convert under torchrun (two nodes on this host): the launcher does not depend on the Bridge
+# release (each Bridge's TP conversion is test_bridge_replicated_device's), so the first leg only.
+TORCHRUN_TESTS = ["tests/test_convert_torchrun.py"]
 # The family table's rows: test_demo.py's Bridge conversions, and Mixtral's (no Bridge converts it).
 FAMILY_CASES = {"test_bridge_family[": None, "test_mixtral_converts_with_megatron_core": "mixtral"}
 
@@ -250,7 +253,7 @@ def run_mode(version, mode, trees, pytest_args, once=False):
     if version in BRIDGE_LEGS:
         paths = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(BRIDGE_TESTS[0]))
         if mode == "shim":  # (the command line and the demo are the shim's: shim mode only)
-            paths += BRIDGE_TESTS[1:]
+            paths += BRIDGE_TESTS[1:] + (TORCHRUN_TESTS if version == next(iter(BRIDGE_LEGS)) else [])
         else:  # what the patches must do alike: the Bridge tests, and every target reading fixed
             paths += ["tests/test_drift.py"]
     elif mode == "patched+shim":

@@ -26,20 +26,10 @@ import signal
 import sys
 import tempfile
 
-from . import launch
+from . import convert_torchrun, launch
+from .convert_spec import check, describe, facts_line, move_aside, settle
 from .convert_worker import phases_of
-from .inputs import (
-    InputError,
-    check_megatron,
-    check_out,
-    check_packages,
-    check_quantization,
-    check_room,
-    check_safetensors,
-    existing_folder,
-    positive,
-    read_config,
-)
+from .inputs import InputError, positive
 
 DTYPES = ("bfloat16", "float32", "float16")
 
@@ -89,35 +79,6 @@ def _common(p):
     p.set_defaults(func=run, parser=p)
 
 
-def check(args):
-    """Check the arguments and folders; returns the spec for the ranks (without the paths of
-    this run's own files)."""
-    if args.direction == "import":
-        ranks = args.ranks or args.tp * args.ep
-        if ranks % (args.tp * args.ep):
-            raise InputError(f"--ranks {ranks} is not a multiple of --tp {args.tp} x --ep {args.ep}")
-        hf = existing_folder(args.hf, "--hf", "the Hugging Face model folder: config.json and *.safetensors")
-        config = read_config(hf, "--hf")
-        method = check_quantization(config, hf)
-        source = check_safetensors(hf, "--hf")
-        out = check_out(args.out, [("--hf", hf)], args.overwrite)
-        spec = dict(hf=hf, dtype=args.dtype, tp=args.tp, ep=args.ep, ranks=ranks)
-        if method == "fp8":  # dequantized into a folder next to --out first (run() makes it)
-            check_room(out, 4 * source["bytes"], "the dequantized copy of the FP8 source and the checkpoint")
-            spec["dequantize"] = True
-    else:
-        megatron = check_megatron(args.megatron)
-        hf = existing_folder(args.hf_config, "--hf-config", "the original Hugging Face model folder, or one with its config.json")
-        config = read_config(hf, "--hf-config")
-        check_safetensors(hf, "--hf-config", required=False)
-        source = None
-        out = check_out(args.out, [("--megatron", megatron), ("--hf-config", hf)], args.overwrite)
-        spec = dict(megatron=megatron, hf_config=hf, ranks=1, tp=1, ep=1)
-    check_packages()
-    spec.update(direction=args.direction, out=out, verify=args.verify, timeout=args.timeout)
-    return spec, config, source
-
-
 # --- The run ---
 
 
@@ -129,51 +90,13 @@ def execute(spec, work, stream=None, command=None):
     return launch.supervise(processes, phases_of(spec), work, launch.Progress(stream))
 
 
-def _facts_line(facts):
-    versions = [f"{name} {facts[key]}" for name, key in (("megatron-core", "megatron_core"),
-                ("Megatron-Bridge", "megatron_bridge"), ("torch", "torch")) if facts.get(key)]
-    cuda = {True: "yes", False: "no"}.get(facts.get("cuda_initialized"), "unknown")
-    return f"{', '.join(versions)}; CUDA initialised: {cuda}"
-
-
-def _describe(spec, source):
-    if spec["direction"] == "import":
-        parallel = f"{spec['ranks']} rank{'s' if spec['ranks'] > 1 else ''}, TP {spec['tp']}, EP {spec['ep']}"
-        dtype = spec["dtype"] or "the model's dtype"
-        weights = f"{source['tensors']} tensors, {launch.size_text(source['bytes'])} in {source['files']} file(s)"
-        return f"{spec['hf']} ({weights}) -> {spec['out']} ({parallel}, {dtype})"
-    return f"{spec['megatron']} -> {spec['out']} (config and tokenizer from {spec['hf_config']})"
-
-
-def _move_aside(out):
-    """Make ``out`` an empty folder; an existing non-empty one (``--overwrite``) is renamed to
-    a hidden sibling first and returned, to be deleted on success or put back on failure."""
-    backup = None
-    if os.path.isdir(out) and os.listdir(out):
-        backup = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.replaced-", dir=os.path.dirname(out))
-        os.rmdir(backup)
-        os.rename(out, backup)
-    os.makedirs(out, exist_ok=True)
-    return backup
-
-
-def _settle(out, backup, existed, success):
-    if success:
-        if backup:
-            shutil.rmtree(backup, ignore_errors=True)
-        return
-    shutil.rmtree(out, ignore_errors=True)  # what the failed conversion wrote
-    if backup:
-        os.rename(backup, out)
-    elif existed:
-        os.makedirs(out, exist_ok=True)
-
-
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
 def run(args):
+    if convert_torchrun.launched():  # this process is one of the ranks torchrun started
+        return convert_torchrun.run(args)
     prog = f"mcore-cpu-shim convert {args.direction}"
     try:
         spec, config, source = check(args)
@@ -182,11 +105,11 @@ def run(args):
         return 2
     out = spec["out"]
     existed = os.path.isdir(out)
-    backup = _move_aside(out)
+    backup = move_aside(out)
     work = tempfile.mkdtemp(prefix="mcore-cpu-shim-convert-")
     if spec.get("dequantize"):  # beside --out, where check_room found the space; removed at the end
         spec["dequantize"] = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.dequantized-", dir=os.path.dirname(out))
-    print(f"{prog}: {_describe(spec, source)}", flush=True)
+    print(f"{prog}: {describe(spec, source)}", flush=True)
     outcome = None
     previous = signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the ranks as Ctrl-C does
     try:
@@ -199,11 +122,11 @@ def run(args):
         if spec.get("dequantize"):
             shutil.rmtree(spec["dequantize"], ignore_errors=True)
         failure = outcome["failure"] if outcome else {}
-        _settle(out, backup, existed, success=failure is None)
+        settle(out, backup, existed, success=failure is None)
         if failure is None or failure.get("input") or failure.get("mismatch"):
             shutil.rmtree(work, ignore_errors=True)
     if failure is not None:
         return launch.report_failure(prog, failure, work)
-    print(_facts_line(outcome["facts"]))
+    print(facts_line(outcome["facts"]))
     print(f"done: {out}")
     return 0

@@ -150,15 +150,19 @@ def directory_size(path):
 
 
 def init_gloo(spec, rank):
-    """The Gloo process group of the ranks, at the parent's address; every collective on it
-    gives up after ``spec["timeout"]`` seconds (megatron-core's groups: ``timeout_minutes``)."""
+    """The Gloo process group of the ranks, at the parent's address (under torchrun: where its
+    rendezvous says, ``env://``; ``convert_torchrun`` joins it before the checks); every
+    collective on it gives up after ``spec["timeout"]`` seconds (megatron-core's groups:
+    ``timeout_minutes``)."""
     import datetime
 
     import torch
 
+    if torch.distributed.is_initialized():
+        return
     torch.distributed.init_process_group(
         "gloo",
-        init_method=f"tcp://{spec['address']}:{spec['port']}",
+        init_method=f"tcp://{spec['address']}:{spec['port']}" if "address" in spec else "env://",
         rank=rank,
         world_size=spec["ranks"],
         timeout=datetime.timedelta(seconds=spec["timeout"]),

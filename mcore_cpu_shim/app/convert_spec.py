@@ -1,0 +1,100 @@
+"""What one conversion is, wherever its ranks run (started by ``convert``'s launcher or by
+torchrun): its arguments and folders checked into the spec the ranks run, the lines that
+describe it, and what becomes of ``--out`` when it ends. Nothing here imports torch."""
+
+import os
+import shutil
+import tempfile
+
+from . import launch
+from .inputs import (
+    InputError,
+    check_megatron,
+    check_out,
+    check_packages,
+    check_quantization,
+    check_room,
+    check_safetensors,
+    existing_folder,
+    read_config,
+)
+
+
+def check(args, world=None):
+    """Check the arguments and folders; returns the spec for the ranks (without the paths of
+    this run's own files). ``world``: the number of ranks torchrun started (None: convert
+    starts ``--ranks`` itself)."""
+    if args.direction == "import":
+        parallel = f"--tp {args.tp} x --ep {args.ep}"
+        if world is None:
+            ranks = args.ranks or args.tp * args.ep
+            if ranks % (args.tp * args.ep):
+                raise InputError(f"--ranks {ranks} is not a multiple of {parallel}")
+        else:
+            ranks = world
+            if args.ranks not in (None, world):
+                raise InputError(f"--ranks {args.ranks}: under torchrun the ranks are the processes torchrun "
+                                 f"started (WORLD_SIZE {world}); leave --ranks out")
+            if world % (args.tp * args.ep):
+                raise InputError(f"torchrun started {world} process{'es' if world > 1 else ''} (WORLD_SIZE), not a multiple of {parallel}: "
+                                 f"start a multiple of {args.tp * args.ep} in all (--nnodes x --nproc-per-node)")
+        hf = existing_folder(args.hf, "--hf", "the Hugging Face model folder: config.json and *.safetensors")
+        config = read_config(hf, "--hf")
+        method = check_quantization(config, hf)
+        source = check_safetensors(hf, "--hf")
+        out = check_out(args.out, [("--hf", hf)], args.overwrite)
+        spec = dict(hf=hf, dtype=args.dtype, tp=args.tp, ep=args.ep, ranks=ranks)
+        if method == "fp8":  # dequantized into a folder next to --out first (run() makes it)
+            check_room(out, 4 * source["bytes"], "the dequantized copy of the FP8 source and the checkpoint")
+            spec["dequantize"] = True
+    else:
+        megatron = check_megatron(args.megatron)
+        hf = existing_folder(args.hf_config, "--hf-config", "the original Hugging Face model folder, or one with its config.json")
+        config = read_config(hf, "--hf-config")
+        check_safetensors(hf, "--hf-config", required=False)
+        source = None
+        out = check_out(args.out, [("--megatron", megatron), ("--hf-config", hf)], args.overwrite)
+        spec = dict(megatron=megatron, hf_config=hf, ranks=world or 1, tp=1, ep=1)
+    check_packages()
+    spec.update(direction=args.direction, out=out, verify=args.verify, timeout=args.timeout)
+    return spec, config, source
+
+
+def facts_line(facts):
+    versions = [f"{name} {facts[key]}" for name, key in (("megatron-core", "megatron_core"),
+                ("Megatron-Bridge", "megatron_bridge"), ("torch", "torch")) if facts.get(key)]
+    cuda = {True: "yes", False: "no"}.get(facts.get("cuda_initialized"), "unknown")
+    return f"{', '.join(versions)}; CUDA initialised: {cuda}"
+
+
+def describe(spec, source):
+    if spec["direction"] == "import":
+        parallel = f"{spec['ranks']} rank{'s' if spec['ranks'] > 1 else ''}, TP {spec['tp']}, EP {spec['ep']}"
+        dtype = spec["dtype"] or "the model's dtype"
+        weights = f"{source['tensors']} tensors, {launch.size_text(source['bytes'])} in {source['files']} file(s)"
+        return f"{spec['hf']} ({weights}) -> {spec['out']} ({parallel}, {dtype})"
+    return f"{spec['megatron']} -> {spec['out']} (config and tokenizer from {spec['hf_config']})"
+
+
+def move_aside(out):
+    """Make ``out`` an empty folder; an existing non-empty one (``--overwrite``) is renamed to
+    a hidden sibling first and returned, to be deleted on success or put back on failure."""
+    backup = None
+    if os.path.isdir(out) and os.listdir(out):
+        backup = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.replaced-", dir=os.path.dirname(out))
+        os.rmdir(backup)
+        os.rename(out, backup)
+    os.makedirs(out, exist_ok=True)
+    return backup
+
+
+def settle(out, backup, existed, success):
+    if success:
+        if backup:
+            shutil.rmtree(backup, ignore_errors=True)
+        return
+    shutil.rmtree(out, ignore_errors=True)  # what the failed conversion wrote
+    if backup:
+        os.rename(backup, out)
+    elif existed:
+        os.makedirs(out, exist_ok=True)
