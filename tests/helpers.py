@@ -162,12 +162,10 @@ def needs_bridge():
 
 def free_port():
     """A loopback port nobody listens on now (Megatron-Bridge starts its own group on
-    MASTER_PORT, default 12355, which parallel tests would otherwise share)."""
-    import socket
+    MASTER_PORT, default 12355, which parallel tests would otherwise share): the launcher's."""
+    from mcore_cpu_shim.app import launch
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return str(probe.getsockname()[1])
+    return str(launch.free_port())
 
 
 def run_bridge(code, *args, **env):

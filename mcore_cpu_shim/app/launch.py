@@ -50,10 +50,26 @@ def size_text(value):
         value /= 1024
 
 
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(tries=50):
+    """A loopback port nobody listens on now, for rank 0 to listen on a moment later. Chosen
+    below the kernel's ephemeral range where it can (``ip_local_port_range``): a port from
+    that range may meanwhile be taken by any outgoing connection (Gloo opens many), and rank 0
+    would then fail with EADDRINUSE."""
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    candidates = [random.randrange(10000, low) for _ in range(tries)] if low > 10000 else []
+    for port in candidates + [0]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
 
 
 def rank_environment(ranks, base=None):
