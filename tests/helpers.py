@@ -239,6 +239,24 @@ def init_gloo(store_dir, rank=0, world_size=1, expert_parallel=1, tensor_paralle
     parallel_state.initialize_model_parallel(tensor_parallel, 1, expert_model_parallel_size=expert_parallel)
 
 
+def leave_group():
+    """End a rank's process group in step with the other ranks: the last call of a run_ranks
+    target whose ranks all finish their work.
+
+    A Gloo group left for the interpreter's exit to tear down can abort a rank whose work
+    succeeded ("terminate called without an active exception", exit -6: seen once in CI, in
+    test_bridge_scatter_contiguous.py, after the rank had printed its result). A barrier, so
+    that no rank closes its connections while another still uses them, then an explicit
+    destroy, which joins the group's threads. Not for test_multirank.py's failing save: on
+    megatron-core 0.13 the failing rank leaves save while the coordinator still waits in a
+    gather that only the failing rank's exit ends, so a barrier there would never return."""
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def tiny_gpt(seed, **config):
     """A 2-layer local-spec GPTModel built on the CPU."""
     import torch

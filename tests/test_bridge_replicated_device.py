@@ -1,14 +1,15 @@
 """bridge_replicated_device: a weight every TP rank holds whole (a layer norm, a bias, a router)
 reaches each rank of a real two-rank Gloo group without CUDA, as TP rank 0 read it; and a
-``--tp 2`` conversion (import, verify, export) gives back every tensor of the source exactly.
+``--tp 2 --pp 2`` conversion (import, verify, export, import at another layout) gives back
+every tensor of the source exactly.
 """
 
 import json
 import os
 
 import pytest
-from helpers import MODE, NO_CUDA, assert_same_as, convert_process, expected_state, init_gloo, needs_bridge, \
-    round_trip, run_ranks
+from helpers import MODE, NO_CUDA, assert_same_as, convert_process, expected_state, init_gloo, leave_group, \
+    needs_bridge, round_trip, run_ranks
 
 pytestmark = [pytest.mark.cuda_hidden, needs_bridge()]
 
@@ -33,6 +34,7 @@ def broadcast_rank(rank, world_size, workdir):
     loaded = mapping.hf_to_megatron(given, norm)
     print(json.dumps({"equal": torch.equal(loaded, weight), "device": str(loaded.device),
                       "state": mcore_cpu_shim.status()[FIX]["state"]}))
+    leave_group()
 
 
 def test_every_rank_gets_rank_zeros_weight_on_the_cpu(tmp_path):
@@ -53,17 +55,22 @@ def test_without_the_fix_the_broadcast_asks_for_cuda(tmp_path, monkeypatch):
 
 
 @shim_only
-def test_tp2_round_trip_is_exact(tmp_path):
-    """GPT-OSS at TP 2: layer norms, biases, the router and sinks are replicated; attention and
-    dense projections split by row and column; the experts stay whole (expert TP 1)."""
-    hf, count, imported = round_trip(tmp_path, "gpt-oss", "--tp", 2)
+def test_tp2_pp2_import_reshards_exactly(tmp_path):
+    """GPT-OSS at TP 2 x PP 2 (4 ranks): layer norms, biases, the router and sinks replicated,
+    attention split by row and column, one layer per stage, the experts whole (expert TP 1).
+    Exported on one rank and imported again at PP 2 x EP 2, every tensor is the source's."""
+    hf, count, imported = round_trip(tmp_path, "gpt-oss", "--tp", 2, "--pp", 2)
     assert imported.returncode == 0, imported.stdout + imported.stderr
-    assert "2 ranks, TP 2, EP 1" in imported.stdout and f"{count}/{count} tensors equal" in imported.stdout
+    assert "4 ranks, TP 2, PP 2, EP 1" in imported.stdout and f"{count}/{count} tensors equal" in imported.stdout
     assert "CUDA initialised: no" in imported.stdout
     exported = convert_process("export", "--megatron", tmp_path / "megatron", "--hf-config", hf,
                                "--out", tmp_path / "back", "--verify")
     assert exported.returncode == 0, exported.stdout + exported.stderr
     assert assert_same_as(hf, tmp_path / "back") == count
+    again = convert_process("import", "--hf", tmp_path / "back", "--out", tmp_path / "again", "--pp", 2, "--ep", 2,
+                            "--verify")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "4 ranks, TP 1, PP 2, EP 2" in again.stdout and f"{count}/{count} tensors equal" in again.stdout
 
 
 @shim_only

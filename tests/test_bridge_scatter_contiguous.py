@@ -8,7 +8,7 @@ test_bridge_replicated_device.py::test_tp2_round_trip_is_exact; this isolates th
 import json
 
 import pytest
-from helpers import MODE, expected_state, init_gloo, needs_bridge, run_ranks
+from helpers import MODE, expected_state, init_gloo, leave_group, needs_bridge, run_ranks
 
 pytestmark = [pytest.mark.cuda_hidden, needs_bridge()]
 
@@ -34,6 +34,7 @@ def scatter_rank(rank, world_size, workdir):
         shard = mapping.hf_to_megatron(weight.clone(), local)
         equal[kind.__name__] = torch.equal(shard, want)
     print(json.dumps({"equal": equal, "state": mcore_cpu_shim.status()[FIX]["state"]}))
+    leave_group()
 
 
 def scatter(tmp_path):

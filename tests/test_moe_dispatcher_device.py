@@ -9,6 +9,7 @@ from helpers import (
     MODE,
     assert_same_tensors,
     init_gloo,
+    leave_group,
     needs_unfixed,
     run_ranks,
     run_without_fix,
@@ -169,6 +170,7 @@ def ep2_round_trip_rank(rank, world_size, workdir):
         torch.distributed.barrier()
     assert not torch.cuda.is_initialized()
     print(f"rank {rank}: {len(expected)} tensors reloaded exactly")
+    leave_group()
 
 
 @pytest.mark.cuda_hidden

@@ -51,8 +51,9 @@ def add_parser(subparsers):
     imp.add_argument("--hf", required=True, metavar="DIR", help="the Hugging Face model folder")
     imp.add_argument("--out", required=True, metavar="DIR", help="where to write the Megatron checkpoint")
     imp.add_argument("--dtype", choices=DTYPES, help="parameter dtype of the checkpoint (default: the model's)")
-    imp.add_argument("--ranks", type=positive, help="worker processes (default: TP x EP)")
+    imp.add_argument("--ranks", type=positive, help="worker processes (default: TP x PP x EP)")
     imp.add_argument("--tp", type=positive, default=1, help="tensor parallelism (default 1)")
+    imp.add_argument("--pp", type=positive, default=1, help="pipeline parallelism (default 1)")
     imp.add_argument("--ep", type=positive, default=1, help="expert parallelism (default 1)")
     _common(imp)
 

@@ -25,25 +25,26 @@ def check(args, world=None):
     this run's own files). ``world``: the number of ranks torchrun started (None: convert
     starts ``--ranks`` itself)."""
     if args.direction == "import":
-        parallel = f"--tp {args.tp} x --ep {args.ep}"
+        parallel = f"--tp {args.tp} x --pp {args.pp} x --ep {args.ep}" if args.pp > 1 else f"--tp {args.tp} x --ep {args.ep}"
+        model = args.tp * args.pp * args.ep  # (experts: EP within the data-parallel ranks of a stage)
         if world is None:
-            ranks = args.ranks or args.tp * args.ep
-            if ranks % (args.tp * args.ep):
+            ranks = args.ranks or model
+            if ranks % model:
                 raise InputError(f"--ranks {ranks} is not a multiple of {parallel}")
         else:
             ranks = world
             if args.ranks not in (None, world):
                 raise InputError(f"--ranks {args.ranks}: under torchrun the ranks are the processes torchrun "
                                  f"started (WORLD_SIZE {world}); leave --ranks out")
-            if world % (args.tp * args.ep):
+            if world % model:
                 raise InputError(f"torchrun started {world} process{'es' if world > 1 else ''} (WORLD_SIZE), not a multiple of {parallel}: "
-                                 f"start a multiple of {args.tp * args.ep} in all (--nnodes x --nproc-per-node)")
+                                 f"start a multiple of {model} in all (--nnodes x --nproc-per-node)")
         hf = existing_folder(args.hf, "--hf", "the Hugging Face model folder: config.json and *.safetensors")
         config = read_config(hf, "--hf")
         method = check_quantization(config, hf)
         source = check_safetensors(hf, "--hf")
         out = check_out(args.out, [("--hf", hf)], args.overwrite)
-        spec = dict(hf=hf, dtype=args.dtype, tp=args.tp, ep=args.ep, ranks=ranks)
+        spec = dict(hf=hf, dtype=args.dtype, tp=args.tp, pp=args.pp, ep=args.ep, ranks=ranks)
         if method == "fp8":  # dequantized into a folder next to --out first (run() makes it)
             check_room(out, 4 * source["bytes"], "the dequantized copy of the FP8 source and the checkpoint")
             spec["dequantize"] = True
@@ -69,7 +70,8 @@ def facts_line(facts):
 
 def describe(spec, source):
     if spec["direction"] == "import":
-        parallel = f"{spec['ranks']} rank{'s' if spec['ranks'] > 1 else ''}, TP {spec['tp']}, EP {spec['ep']}"
+        stages = f", PP {spec['pp']}" if spec.get("pp", 1) > 1 else ""
+        parallel = f"{spec['ranks']} rank{'s' if spec['ranks'] > 1 else ''}, TP {spec['tp']}{stages}, EP {spec['ep']}"
         dtype = spec["dtype"] or "the model's dtype"
         weights = f"{source['tensors']} tensors, {launch.size_text(source['bytes'])} in {source['files']} file(s)"
         return f"{spec['hf']} ({weights}) -> {spec['out']} ({parallel}, {dtype})"

@@ -157,7 +157,7 @@ def configure(provider, spec, dtype):
     import torch
 
     provider.tensor_model_parallel_size = spec["tp"]
-    provider.pipeline_model_parallel_size = 1
+    provider.pipeline_model_parallel_size = spec.get("pp", 1)
     provider.expert_model_parallel_size = spec["ep"]
     provider.expert_tensor_parallel_size = EXPERTS_WHOLE
     if dtype is not None:
@@ -174,8 +174,8 @@ def load_checkpoint(bridge, folder, spec, **config):
     initialisation), with this conversion's parallelism. ``config``: further values to set on
     the config read from the checkpoint (``load_megatron_model`` sets every key of its
     overrides that the config has; e.g. ``bf16=False`` for a float32 model)."""
-    overrides = {"tensor_model_parallel_size": spec["tp"], "expert_model_parallel_size": spec["ep"],
-                 "expert_tensor_parallel_size": EXPERTS_WHOLE, **config}
+    overrides = {"tensor_model_parallel_size": spec["tp"], "pipeline_model_parallel_size": spec.get("pp", 1),
+                 "expert_model_parallel_size": spec["ep"], "expert_tensor_parallel_size": EXPERTS_WHOLE, **config}
     return bridge.load_megatron_model(folder, mp_overrides=overrides)
 
 
@@ -208,9 +208,9 @@ def run_import(spec, rank, phases):
     try:
         provider.finalize()  # megatron-core's config checks
     except (ValueError, AssertionError) as exc:
-        if spec["tp"] * spec["ep"] == 1:
+        if spec["tp"] * spec.get("pp", 1) * spec["ep"] == 1:
             raise
-        raise InputProblem(f"megatron-core rejects this model with --tp {spec['tp']} --ep {spec['ep']}: "
+        raise InputProblem(f"megatron-core rejects this model with --tp {spec['tp']} --pp {spec.get('pp', 1)} --ep {spec['ep']}: "
                            f"{_first_line(exc)}") from exc
     # What provide_distributed_model would do, with this conversion's timeout on the groups.
     provider.initialize_model_parallel(seed=0, distributed_timeout_minutes=timeout_minutes(spec))
