@@ -48,6 +48,15 @@ RELEASE_SPECIFIC = {
         "YarnRotaryEmbedding.forward": lambda v: None if _rope_forward(v) else NA,
         "YarnRotaryEmbedding.get_emb": lambda v: NA if _rope_forward(v) else None,
     },
+    "dcp_results_queue": {
+        # 0.13/0.14 run a sync save in a forked process (no execute_sync); strategies.base is
+        # gone in 0.19; TorchDistSaveShardedStrategy has its own save from 0.17 on, when the
+        # getter lost its underscore
+        "AsyncSaveShardedStrategy.save": lambda v: None if (0, 15) <= v < (0, 19) else NA,
+        "TorchDistSaveShardedStrategy.save": lambda v: NA if v < (0, 17) else None,
+        "_get_write_results_queue": lambda v: NA if v >= (0, 17) else None,
+        "get_write_results_queue": lambda v: NA if v < (0, 17) else None,
+    },
 }
 FIXES = (
     "dcp_collective_device",
@@ -60,6 +69,7 @@ FIXES = (
     "rope_device",
     "router_buffers_device",
     "mla_cpu_build",
+    "dcp_results_queue",
 )
 
 

@@ -158,14 +158,16 @@ def decide(fix: Fix, target: Target, module: types.ModuleType) -> Tuple[str, str
     except AttributeError:
         return absent(target, target.qualname)
     original = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+    inherited = isinstance(owner, type) and name not in vars(owner)
+    # (before the marker: a method inherited from a class another target wrapped is not this one)
+    if inherited and INHERITED not in target.known_buggy:  # as classify_source decides it
+        return absent(target, target.qualname)
     found = getattr(original, MARKER, None)
     if found is not None:
         if found["package"] == PACKAGE and found["version"] == VERSION:
             return APPLIED, "already applied"
         return APPLIED, f"applied by another copy: {found['package']} {found['version']}"
-    if isinstance(owner, type) and name not in vars(owner):
-        if INHERITED not in target.known_buggy:  # as classify_source decides it from source
-            return absent(target, target.qualname)
+    if inherited:
         tree = None
     else:
         try:

@@ -3,6 +3,7 @@
 from . import (
     attention_buffers_device,
     dcp_collective_device,
+    dcp_results_queue,
     gdp_probe_device,
     local_moe_norm_keys,
     moe_dispatcher_device,
@@ -28,6 +29,7 @@ FIXES = (
     rope_device.FIX,
     router_buffers_device.FIX,
     mla_cpu_build.FIX,
+    dcp_results_queue.FIX,
 )
 
 from . import (  # noqa: E402
