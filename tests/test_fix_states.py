@@ -70,6 +70,7 @@ FIXES = (
     "router_buffers_device",
     "mla_cpu_build",
     "dcp_results_queue",
+    "swiglu_load_copy",
 )
 
 

@@ -13,6 +13,7 @@ from . import (
     rope_device,
     router_buffers_device,
     softmax_offsets_device,
+    swiglu_load_copy,
     yarn_rope_device,
 )
 
@@ -30,6 +31,7 @@ FIXES = (
     router_buffers_device.FIX,
     mla_cpu_build.FIX,
     dcp_results_queue.FIX,
+    swiglu_load_copy.FIX,
 )
 
 from . import (  # noqa: E402
