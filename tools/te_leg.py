@@ -22,8 +22,10 @@ the whole leg is skipped with a message (exit 0). Exit status 1 if any install's
 import importlib.metadata
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -69,6 +71,17 @@ def install(version, complete, pin):
     return installed()
 
 
+def remove_empty_package():
+    """pip leaves ``transformer_engine/common/include`` behind as empty folders, which Python
+    imports as a namespace package: the guard would then see a TE that is "installed, not
+    importable" in every later run of this environment. Remove it when it holds no file."""
+    paths = sysconfig.get_paths()
+    for folder in {Path(paths["purelib"]), Path(paths["platlib"])}:
+        package = folder / "transformer_engine"
+        if package.is_dir() and not any(p.is_file() for p in package.rglob("*")):
+            shutil.rmtree(package)
+
+
 def doctor(env):
     result = subprocess.run([sys.executable, "-m", "mcore_cpu_shim", "doctor", "--json"],
                             env=env, capture_output=True, text=True, cwd=ROOT)
@@ -102,6 +115,7 @@ def main(pytest_args):
             leftover = list(installed())
             if leftover:
                 pip("uninstall", "--quiet", "--yes", *leftover)
+            remove_empty_package()
     print("\nte leg summary (megatron-core " + MCORE + ", CUDA hidden):")
     print("\n".join(summary))
     print("te leg: " + (f"FAILED: {', '.join(failed)}" if failed else "all installs passed"))
