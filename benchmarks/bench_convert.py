@@ -243,6 +243,21 @@ def write_main(size, folder):
 # ---------------------------------------------------------------- driver
 
 
+def write_model(size, hf, say):
+    """Write the ``size`` preset to ``hf`` in a process of its own; ``(parameters, seconds)``."""
+    start = time.perf_counter()
+    writer = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--write", size, hf],
+                              env=environment(), stdout=subprocess.PIPE, text=True)
+    line = writer.stdout.readline()
+    expected = json.loads(line)["parameters"] if line else None
+    if expected:
+        say(f"writing the llama {size} preset ({expected:,} parameters, bfloat16) ...")
+    writer.communicate()  # whatever else it printed
+    if writer.returncode != 0:
+        raise SystemExit(f"bench_convert: writing the model failed (exit status {writer.returncode})")
+    return expected, time.perf_counter() - start
+
+
 def environment():
     """The environment of every measured process: the ranks' own (CUDA hidden, this package
     importable, the cores shared out) for one rank."""
@@ -264,13 +279,15 @@ def phase_table(events, spawned):
     return table
 
 
-def run_convert(hf, out, folder, stream, plain_save=False):
+def run_convert(hf, out, folder, stream, plain_save=False, layout=()):
+    """One ``convert import --verify`` of ``hf`` (``layout``: more options, e.g. ``--ranks 2
+    --tp 2``). ``phases`` is rank 0's phase table, ``ranks`` every rank's."""
     from mcore_cpu_shim.app import cli, convert, launch
     from mcore_cpu_shim.app.convert_worker import phases_of
 
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(folder)
-    args = cli.build_parser().parse_args(["convert", "import", "--hf", hf, "--out", out, "--verify"])
+    args = cli.build_parser().parse_args(["convert", "import", "--hf", hf, "--out", out, "--verify", *layout])
     spec, _, source = convert.check(args)
     spec_path = os.path.join(folder, "spec.json")  # start_ranks writes it there
 
@@ -285,11 +302,11 @@ def run_convert(hf, out, folder, stream, plain_save=False):
     if outcome["failure"] is not None:  # keep the rank logs: the working folder goes
         logs = shutil.move(folder, tempfile.mkdtemp(prefix="mcore-cpu-shim-bench-convert-logs-"))
         raise SystemExit(launch.report_failure("bench_convert: convert import", outcome["failure"], logs))
-    events = launch.read_events(os.path.join(folder, "rank0.jsonl"))
-    table = phase_table(events, spawned)
-    size = next((e.get("size") for e in events if e.get("phase") == "save" and e.get("ok")), None)
+    events = [launch.read_events(os.path.join(folder, f"rank{rank}.jsonl")) for rank in range(spec["ranks"])]
+    tables = [phase_table(each, spawned) for each in events]
+    size = next((e.get("size") for e in events[0] if e.get("phase") == "save" and e.get("ok")), None)
     shutil.rmtree(out, ignore_errors=True)
-    return dict(phases=table, wall=ended - spawned, out_bytes=size, facts=outcome["facts"]), source
+    return dict(phases=tables[0], ranks=tables, wall=ended - spawned, out_bytes=size, facts=outcome["facts"]), source
 
 
 def run_floor(kind, hf, workdir, stream):
@@ -368,17 +385,7 @@ def main(argv=None):
         else:
             label = f"llama {args.size} preset"
             hf = written = os.path.join(workdir, f"llama-{args.size}")
-            start = time.perf_counter()
-            writer = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--write", args.size, hf],
-                                      env=environment(), stdout=subprocess.PIPE, text=True)
-            line = writer.stdout.readline()
-            expected = json.loads(line)["parameters"] if line else None
-            if expected:
-                say(f"writing {label} ({expected:,} parameters, bfloat16) ...")
-            writer.communicate()  # whatever else it printed
-            if writer.returncode != 0:
-                raise SystemExit(f"bench_convert: writing the model failed (exit status {writer.returncode})")
-            write_seconds = time.perf_counter() - start
+            expected, write_seconds = write_model(args.size, hf, say)
         runs = {"convert": [], "plain": [], "torch": [], "safetensors": []}
         source = None
         sides = ["convert"] + (["plain"] if args.compare_save else []) + ([] if args.no_floor else list(FLOORS))
