@@ -170,6 +170,8 @@ def test_bridge_demo_converts_a_tiny_gpt_oss_exactly():
     diff, within, scale, bar, same, positions = logits.groups()
     assert within == "<=" and float(diff) <= float(bar) and float(bar) == pytest.approx(1e-4 * float(scale), rel=0.1)
     assert same == positions == "64"  # 2 x 32 tokens
+    # The export as a user loads it (issue 25 item 5): transformers, from its own config.json.
+    assert "the exported folder, loaded by transformers: logits equal to the source's, bit for bit" in out, out
     assert "CUDA initialised: no" in out and "driver libraries mapped: none" in out
 
 
@@ -186,6 +188,7 @@ def test_bridge_demo_past_the_sliding_window():
     assert summary["tensors_equal"] == summary["tensors_compared"] > 0
     assert summary["cuda_initialized"] is False
     assert logits["tokens"] == [2, 64]
+    assert logits["export_logits_equal"] is True  # transformers on the export: the source's model
     if FIXED_WINDOW not in megatron_source("megatron.bridge.models.gpt_oss.gpt_oss_bridge"):
         assert_demo_passed(result, summary)
         assert logits["max_abs_diff"] <= logits["bar"]
@@ -247,6 +250,9 @@ def test_bridge_family(family, tmp_path, record_property):
     logits = steps["CPU logits HF vs megatron"]["facts"]
     assert logits["max_abs_diff"] <= logits["bar"]
     assert logits["argmax_equal"] == logits["positions"] == 64
+    # transformers loads the exported folder (its own config.json) into the source's model: the
+    # same logits, bit for bit (issue 25 item 5).
+    assert logits["export_logits_equal"] is True
     # For the matrix report's family table (tools/matrix.py family_cells).
     record_property("family", f"{tensors}/{tensors} tensors equal, logits max abs diff "
                               f"{logits['max_abs_diff']:.1e} (scale {logits['scale']:.1e})")

@@ -4,7 +4,8 @@ A pass writes a tiny Hugging Face model (``hf_models.write``: ``transformers``, 
 weights, no hub), converts it HF -> ``torch_dist`` -> HF with ``mcore-cpu-shim convert``'s own
 code, compares every tensor of the result with the original exactly, and compares the CPU
 logits of the HF model (``transformers``, float32, eager attention) with those of the megatron
-model built from the converted checkpoint. Its workers run in three groups (``passes``: each
+model built from the converted checkpoint, and the exported folder's logits, loaded by
+``transformers`` as a user loads it, with the source's, bit for bit. Its workers run in three groups (``passes``: each
 started and followed by the launcher, as ``convert`` runs its ranks, in a folder of its own):
 
 - ``write``: one process writes the HF model;
@@ -241,10 +242,17 @@ def cpu_logits(spec, phases):
     phases.start("CPU logits")
     ids = tokens(_vocab(spec["hf_config"]), spec["batch"], spec["seq_len"])
     expected, hf_config = hf_logits(spec["hf_config"], ids)
+    # The exported folder as its users load it: transformers, from its own config.json. Its
+    # tensors are the source's, so its logits must be the source's to the bit.
+    exported = hf_logits(spec["out"], ids)[0]
     actual, megatron = megatron_logits(spec, ids)
     facts = dict(parity(expected, actual), megatron=megatron, dtype="float32",
-                 sliding_window=getattr(hf_config, "sliding_window", None))
+                 sliding_window=getattr(hf_config, "sliding_window", None),
+                 export_logits_equal=bool(exported.shape == expected.shape and exported.equal(expected)))
     problems = []
+    if not facts["export_logits_equal"]:
+        off = (exported - expected).abs().max().item() if exported.shape == expected.shape else "shape"
+        problems.append(f"transformers' logits of the exported folder differ from the source's (max abs diff {off})")
     if not facts["max_abs_diff"] <= facts["bar"]:  # NaN fails too
         problems.append(f"max abs diff {facts['max_abs_diff']:.2e} > {PARITY_TEXT} x scale {facts['scale']:.2e}"
                         f" = {facts['bar']:.2e}, from position {facts['first_position_off']} on")

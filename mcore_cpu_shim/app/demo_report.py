@@ -102,7 +102,8 @@ def summarise_bridge(args, results, folder):
     tensors, equal = compared.get("tensors", 0), compared.get("equal", 0)
     own = {"every tensor equal": tensors > 0 and tensors == equal and not compared.get("unexpected"),
            "logits within the bar": bool(logits) and logits["max_abs_diff"] <= logits["bar"]
-           and logits["argmax_equal"] == logits["positions"]}
+           and logits["argmax_equal"] == logits["positions"],
+           "exported folder's logits equal": bool(logits) and logits.get("export_logits_equal") is True}
     summary = _summary(args, results, folder, BRIDGE, BRIDGE_STEPS, tensors, equal, own)
     finished = [r for r in results["with shim"]["ranks"] if r is not None]
     summary.update(
@@ -219,5 +220,7 @@ def _print_bridge_facts(summary):
         print(f"  max abs diff {logits['max_abs_diff']:.1e} {within} {logits['parity']} x scale "
               f"{logits['scale']:.1e} (max abs HF logit) = {logits['bar']:.1e}; "
               f"argmax equal at {logits['argmax_equal']}/{logits['positions']} positions")
+        same = "equal" if logits.get("export_logits_equal") else "NOT equal"
+        print(f"  the exported folder, loaded by transformers: logits {same} to the source's, bit for bit")
 
 
