@@ -4,9 +4,10 @@ A pass writes a tiny Hugging Face model (``hf_models.write``: ``transformers``, 
 weights, no hub), converts it HF -> ``torch_dist`` -> HF with ``mcore-cpu-shim convert``'s own
 code, compares every tensor of the result with the original exactly, and compares the CPU
 logits of the HF model (``transformers``, float32, eager attention) with those of the megatron
-model built from the converted checkpoint, and the exported folder's logits, loaded by
-``transformers`` as a user loads it, with the source's, bit for bit. Its workers run in three groups (``passes``: each
-started and followed by the launcher, as ``convert`` runs its ranks, in a folder of its own):
+model built from the converted checkpoint, and the exported folder's logits (loaded by
+``transformers`` as a user loads it) with the source's, bit for bit. Its workers run in three
+groups (``passes``: each started and followed by the launcher, as ``convert`` runs its ranks, in
+a folder of its own):
 
 - ``write``: one process writes the HF model;
 - ``import``: ``--ranks`` processes run convert's import (``convert_worker.run_import``: Bridge's
@@ -250,9 +251,12 @@ def cpu_logits(spec, phases):
                  sliding_window=getattr(hf_config, "sliding_window", None),
                  export_logits_equal=bool(exported.shape == expected.shape and exported.equal(expected)))
     problems = []
-    if not facts["export_logits_equal"]:
-        off = (exported - expected).abs().max().item() if exported.shape == expected.shape else "shape"
-        problems.append(f"transformers' logits of the exported folder differ from the source's (max abs diff {off})")
+    if exported.shape != expected.shape:
+        problems.append(f"transformers' logits of the exported folder have shape {list(exported.shape)}, "
+                        f"the source's {list(expected.shape)}")
+    elif not facts["export_logits_equal"]:
+        problems.append("transformers' logits of the exported folder differ from the source's (max abs diff "
+                        f"{(exported - expected).abs().max().item():.2e})")
     if not facts["max_abs_diff"] <= facts["bar"]:  # NaN fails too
         problems.append(f"max abs diff {facts['max_abs_diff']:.2e} > {PARITY_TEXT} x scale {facts['scale']:.2e}"
                         f" = {facts['bar']:.2e}, from position {facts['first_position_off']} on")
