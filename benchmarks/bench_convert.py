@@ -291,13 +291,11 @@ def run_convert(hf, out, folder, stream, plain_save=False, layout=()):
     spec, _, source = convert.check(args)
     spec_path = os.path.join(folder, "spec.json")  # start_ranks writes it there
 
-    def command(rank):
-        return [sys.executable, os.path.abspath(__file__), "--rank", spec_path, str(rank)]
-
     spawned = time.time()
     env = dict(os.environ, **{PLAIN_SAVE: "1"}) if plain_save else None
-    processes = launch.start_ranks(spec, folder, "convert_worker", command=command, env=env)
-    outcome = launch.supervise(processes, ("imports",) + phases_of(spec), folder, launch.Progress(stream))
+    processes = launch.start_ranks(spec, folder, "convert_worker", env=env,
+                                   command=[sys.executable, os.path.abspath(__file__), "--rank", spec_path])
+    outcome = launch.supervise(processes, ("imports",) + phases_of(spec), launch.Progress(stream))
     ended = time.time()
     if outcome["failure"] is not None:  # keep the rank logs: the working folder goes
         logs = shutil.move(folder, tempfile.mkdtemp(prefix="mcore-cpu-shim-bench-convert-logs-"))
@@ -500,7 +498,7 @@ def main(argv=None):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--rank"]:
-        rank_main(sys.argv[2], int(sys.argv[3]))
+        rank_main(sys.argv[2], int(os.environ["RANK"]))
     elif sys.argv[1:2] == ["--floor"]:
         floor_main(*sys.argv[2:6])
     elif sys.argv[1:2] == ["--write"]:

@@ -4,6 +4,7 @@ import functools
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -50,11 +51,15 @@ def megatron_source(module):
         return source.read()
 
 
-def import_every_target(package):
+def import_every_target(package, *fixes):
     """Import every module a fix of ``package`` (the shim, or a vendored copy) targets, as a
-    conversion would. A module this megatron-core's tree does not have is left out: status()
-    then reads its targets as this tree lacking them; any other import failure is raised."""
-    for fix in package.status().values():
+    conversion would (only those of ``fixes``, where named: a release's wheel may hold modules
+    that cost seconds to import, e.g. megatron.training's config container, a Bridge fix's
+    target). A module this megatron-core's tree does not have is left out: status() then reads
+    its targets as this tree lacking them; any other import failure is raised."""
+    for name, fix in package.status().items():
+        if fixes and name not in fixes:
+            continue
         for target in fix["targets"]:
             module = target.split(":")[0]
             if mcore_tree.module_file(module) is not None:
@@ -160,12 +165,27 @@ def needs_bridge():
     )
 
 
-def free_port():
-    """A loopback port nobody listens on now (Megatron-Bridge starts its own group on
-    MASTER_PORT, default 12355, which parallel tests would otherwise share): the launcher's."""
-    from mcore_cpu_shim.app import launch
+def free_port(tries=50):
+    """A loopback port nobody listens on now (as a string), for a rendezvous or Megatron-Bridge's
+    own group (MASTER_PORT, default 12355, which parallel tests would otherwise share). Chosen
+    below the kernel's ephemeral range where it can (``ip_local_port_range``): a port from
+    that range may meanwhile be taken by any outgoing connection (Gloo opens many), and rank 0
+    would then fail with EADDRINUSE."""
+    import random
 
-    return str(launch.free_port())
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    candidates = [random.randrange(10000, low) for _ in range(tries)] if low > 10000 else []
+    for port in candidates + [0]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return str(s.getsockname()[1])
 
 
 def run_bridge(code, *args, **env):

@@ -242,7 +242,7 @@ FAKE_RANK = """
 import json, os, sys, time
 from mcore_cpu_shim.app import convert_worker, worker
 
-spec_path, rank, plan = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+spec_path, rank, plan = sys.argv[1], int(os.environ["RANK"]), json.loads(sys.argv[2])
 with open(spec_path) as f:
     spec = json.load(f)
 phases = worker.Phases(os.path.join(spec["events"], f"rank{rank}.jsonl"))
@@ -300,7 +300,7 @@ def run_fake(tmp_path, plan, ranks=2, timeout=300, verify=False):
 
     start = time.monotonic()
     outcome = command.execute(spec, str(folder), stream=Stream(),
-                              command=lambda r: [sys.executable, str(script), spec_path, str(r), json.dumps(plan)])
+                              command=[sys.executable, str(script), spec_path, json.dumps(plan)])
     return outcome, Stream.text, time.monotonic() - start, str(folder)
 
 
@@ -348,6 +348,45 @@ def test_progress_and_facts_of_a_run_that_passes(tmp_path):
     assert all(": ok (" in line for line in lines)
     assert "1.0 KB" in lines[-1]  # the facts a phase recorded (size) are shown
     assert outcome["facts"]["cuda_initialized"] is False
+
+
+@needs_bridge
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_ends_every_rank_and_keeps_out(tmp_path, signum):
+    """Ctrl-C (SIGINT) or SIGTERM to ``convert`` while its ranks work: torch's agent and every
+    rank are gone within seconds, the exit status is 130, and ``--out`` is as it was."""
+    import signal
+    import subprocess
+
+    import psutil
+    from mcore_cpu_shim.app import hf_models
+
+    hf = hf_models.write("llama", tmp_path / "hf")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("the old --out")
+    command = [sys.executable, "-m", "mcore_cpu_shim", "convert", "import", "--hf", str(hf), "--out", str(out),
+               "--overwrite", "--ranks", "2"]
+    process = subprocess.Popen(command, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    children = []
+    for _ in range(600):  # the agent and its two ranks
+        children = psutil.Process(process.pid).children(recursive=True)
+        if len(children) >= 3 or process.poll() is not None:
+            break
+        time.sleep(0.1)
+    assert len(children) >= 3, process.communicate()
+    time.sleep(1)
+    sent = time.monotonic()
+    process.send_signal(getattr(signal, signum))
+    _, err = process.communicate(timeout=60)
+    assert time.monotonic() - sent < 30
+    assert process.returncode == 130, err
+    assert "interrupted; every rank stopped" in err and "left as it was" in err
+    _, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive, [p.cmdline() for p in alive]
+    assert sorted(os.listdir(out)) == ["keep.txt"] and (out / "keep.txt").read_text() == "the old --out"
+    assert sorted(os.listdir(tmp_path)) == ["hf", "out"]  # nothing moved aside is left over
 
 
 def test_an_input_problem_in_a_rank_exits_2(tmp_path, capsys):

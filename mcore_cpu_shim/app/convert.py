@@ -87,8 +87,8 @@ def execute(spec, work, stream=None, command=None):
     """Run the ranks of ``spec`` in ``work`` with progress on ``stream``; returns the
     outcome of ``supervise``."""
     stream = stream or sys.stdout
-    processes = launch.start_ranks(spec, work, "convert_worker", command)
-    return launch.supervise(processes, phases_of(spec), work, launch.Progress(stream))
+    ranks = launch.start_ranks(spec, work, "convert_worker", command)
+    return launch.supervise(ranks, phases_of(spec), launch.Progress(stream))
 
 
 def _interrupt(signum, frame):

@@ -1,7 +1,7 @@
 """One rank of ``mcore-cpu-shim convert``: Megatron-Bridge's public API, phase by phase.
 
 Started by the launcher (``launch.start_ranks``) as ``python -m <package>.app.convert_worker
-SPEC RANK``; the rank's life, its event records and its last facts are ``worker.main``'s. SPEC
+SPEC`` with ``RANK`` set; the rank's life, its event records and its last facts are ``worker.main``'s. SPEC
 holds the direction, folders, world, parallelism and timeout.
 
 The conversion itself is Bridge's: ``AutoBridge.from_hf_pretrained``, the model provider
@@ -297,4 +297,4 @@ def run(spec, rank, phases):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), run)
+    main(sys.argv[1], int(os.environ["RANK"]), run)

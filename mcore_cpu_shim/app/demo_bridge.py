@@ -15,7 +15,7 @@ a folder of its own):
 - ``export``: one process runs convert's export (``convert_worker.run_export``:
   ``load_megatron_model``, ``save_hf_pretrained``), then compares the tensors, then the logits.
 
-Every worker is ``python -m <package>.app.demo_bridge SPEC RANK``: ``worker.main`` with this
+Every worker is ``python -m <package>.app.demo_bridge SPEC`` (``RANK`` set): ``worker.main`` with this
 module's ``run``. In the pass with the shim (``strict`` in the spec) each phase runs under
 ``forbid_cuda()``, so a CUDA call that the code catches and hides still fails it.
 
@@ -286,4 +286,4 @@ def run(spec, rank, phases):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), run)
+    main(sys.argv[1], int(os.environ["RANK"]), run)

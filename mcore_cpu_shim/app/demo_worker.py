@@ -1,7 +1,7 @@
 """One rank of ``mcore-cpu-shim demo``'s megatron-core-only round trip, phase by phase.
 
 Started by the launcher (``launch.start_ranks``, through ``passes``) as ``python -m
-<package>.app.demo_worker SPEC RANK`` in a fresh interpreter (importing the package first, so
+<package>.app.demo_worker SPEC`` (``RANK`` set) in a fresh interpreter (importing the package first, so
 MCORE_CPU_SHIM_DISABLE decides whether the fixes are on and MCORE_CPU_SHIM_TE whether the
 Transformer Engine import guard is); the rank's life, its event records and its last facts are
 ``worker.main``'s. SPEC holds the model size, the world and where to write. The steps are
@@ -187,4 +187,4 @@ def run(spec, rank, phases):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), run)
+    main(sys.argv[1], int(os.environ["RANK"]), run)

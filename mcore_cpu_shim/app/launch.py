@@ -2,19 +2,21 @@
 
 ``convert`` and ``demo`` both run their work in ranks: fresh interpreters, one per rank, with
 CUDA hidden (``CUDA_VISIBLE_DEVICES=""``), this package importable, a Gloo group on loopback
-(``MASTER_ADDR``/``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``) and the host's cores shared out.
-``start_ranks`` writes the spec and starts them, each in its own session with its output in
-``rank<N>.log``; ``supervise`` follows the event records the ranks write (``worker.Phases``,
-one format for every command) phase by phase, stops every rank as soon as one failed or died,
-and returns the phases' summaries and the failure to report; ``report_failure`` says it.
+and the host's cores shared out. The ranks are started, watched and stopped by torch's own
+launcher, the elastic agent behind torchrun (``launch_agent``), which runs in a process of its
+own (``python -m`` this module): it sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+``MASTER_PORT`` (a c10d rendezvous on 127.0.0.1), stops every rank once one failed or died and
+says which failed first. ``start_ranks`` writes the spec and starts the agent; ``supervise``
+follows the event records the ranks write (``worker.Phases``, one format for every command)
+phase by phase until the agent ended, and returns the phases' summaries and the failure to
+report; ``report_failure`` says it. Under torchrun itself, ``convert_torchrun`` runs instead.
 
-Nothing here imports torch: the ranks do.
+Nothing here imports torch at module level: the agent and the ranks do.
 """
 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -50,35 +52,12 @@ def size_text(value):
         value /= 1024
 
 
-def free_port(tries=50):
-    """A loopback port nobody listens on now, for rank 0 to listen on a moment later. Chosen
-    below the kernel's ephemeral range where it can (``ip_local_port_range``): a port from
-    that range may meanwhile be taken by any outgoing connection (Gloo opens many), and rank 0
-    would then fail with EADDRINUSE."""
-    import random
-
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 0
-    candidates = [random.randrange(10000, low) for _ in range(tries)] if low > 10000 else []
-    for port in candidates + [0]:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-
-
 def rank_environment(ranks, base=None):
-    """The environment of every rank: CUDA hidden, this package importable, Gloo on loopback,
-    and the host's cores shared out (each rank would otherwise start a thread per core)."""
+    """The environment of every rank (the agent adds its rendezvous): CUDA hidden, this
+    package importable, Gloo on loopback, and the host's cores shared out (each rank would
+    otherwise start a thread per core)."""
     env = dict(os.environ if base is None else base, CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root(), env.get("PYTHONPATH")]))
-    env.setdefault("MASTER_ADDR", "127.0.0.1")
-    env["WORLD_SIZE"] = str(ranks)
     if "GLOO_SOCKET_IFNAME" not in env and os.path.exists("/sys/class/net/lo"):
         env["GLOO_SOCKET_IFNAME"] = "lo"
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
@@ -86,41 +65,57 @@ def rank_environment(ranks, base=None):
     return env
 
 
+SHUTDOWN = 5  # seconds the agent gives a stopped rank before it kills it
+
+
+class Ranks:
+    """The ranks of one launch: torch's elastic agent (``agent``, a ``Popen``) and, once it
+    ended, what it said of each rank (``result()``)."""
+
+    def __init__(self, agent, count, folder):
+        self.agent, self.count, self.folder = agent, count, folder
+
+    def result(self):
+        """``{"codes": [exit code or None per rank], "first": the rank that failed first or
+        None, "stopped": the signal that stopped the agent or None}`` (codes None where the
+        agent wrote nothing: it was killed)."""
+        try:
+            with open(os.path.join(self.folder, "agent.json")) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return {"codes": [None] * self.count, "first": None, "stopped": "the agent's own end"}
+
+    def stop(self, wait=SHUTDOWN + 15):
+        """End the agent, and with it every rank: SIGTERM (it stops the ranks, SIGKILL after
+        ``SHUTDOWN`` seconds), SIGKILL if it has not ended ``wait`` seconds later (the ranks
+        then end themselves, ``worker.end_with_parent``)."""
+        if self.agent.poll() is None:
+            self.agent.terminate()
+            try:
+                self.agent.wait(wait)
+            except subprocess.TimeoutExpired:
+                self.agent.kill()
+        self.agent.wait()
+
+
 def start_ranks(spec, folder, worker, command=None, env=None):
-    """Write the spec and start one process per rank, each in its own session (so that
-    killing it ends the helpers it started), output to ``rank<N>.log``: ``python -m`` the
-    module ``worker`` of this package's application (or ``command(rank)``, an argument list).
-    ``env``: the environment to start from (default: this process's)."""
-    spec = dict(spec, events=folder, address="127.0.0.1", port=free_port())
+    """Write the spec and start torch's elastic agent (``python -m`` this module, in a session
+    of its own, output to ``agent.log``) with one rank per ``spec["ranks"]``: ``python -m`` the
+    module ``worker`` of this package's application, or ``command`` (an argument list, the
+    same for every rank: a rank reads ``RANK`` from its environment). ``env``: the environment
+    to start from (default: this process's). Returns a ``Ranks``."""
+    spec = dict(spec, events=folder)
     spec_path = os.path.join(folder, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    if command is None:
-        def command(rank):
-            return [sys.executable, "-m", f"{__package__}.{worker}", spec_path, str(rank)]
-    env = rank_environment(spec["ranks"], base=env)
-    env["MASTER_PORT"] = str(spec["port"])
-    processes = []
-    try:
-        for rank in range(spec["ranks"]):
-            with open(os.path.join(folder, f"rank{rank}.log"), "w") as log:
-                processes.append(subprocess.Popen(
-                    command(rank), env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                ))
-    except BaseException:
-        stop(processes)
-        raise
-    return processes
-
-
-def stop(processes):
-    for p in processes:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
+    command = command or [sys.executable, "-m", f"{__package__}.{worker}", spec_path]
+    with open(os.path.join(folder, "agent.log"), "w") as log:
+        agent = subprocess.Popen(
+            [sys.executable, "-m", __name__, folder, str(spec["ranks"]), *command],
+            env=rank_environment(spec["ranks"], base=env),
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    return Ranks(agent, spec["ranks"], folder)
 
 
 def signal_name(code):
@@ -168,21 +163,20 @@ def details(records):
     return ", ".join(parts)
 
 
-def supervise(processes, phases, folder, progress, grace=5.0, deadline=None):
-    """Follow the ranks phase by phase until all ended, or one failed or died (then the others
-    get ``grace`` seconds to record their own error before all are killed), or until
-    ``time.monotonic()`` passes ``deadline`` (if given; then all are killed). Returns
-    ``{"phases": {name: summary}, "failure": {...} or None, "facts": the last record of rank 0,
-    "ranks": every rank's last record (None where a rank wrote none), "events": every record}``."""
-    ranks = len(processes)
-    summaries, died_at, failed_at = {}, {}, None
+def supervise(ranks, phases, progress, deadline=None):
+    """Follow the ranks phase by phase until the agent ended (it ends every rank once one
+    failed or died), or until ``time.monotonic()`` passes ``deadline`` (if given; then all are
+    stopped). Returns ``{"phases": {name: summary}, "failure": {...} or None, "facts": the last
+    record of rank 0, "ranks": every rank's last record (None where a rank wrote none),
+    "events": every record, "codes": every rank's exit code}``."""
+    folder, summaries = ranks.folder, {}
 
     def follow():
-        every = rank_events(folder, ranks)
+        every = rank_events(folder, ranks.count)
         while len(summaries) < len(phases) and all(s["ok"] for s in summaries.values()):
             name = phases[len(summaries)]
             ended = [dict(e, rank=r) for r, evs in enumerate(every) for e in evs if e.get("phase") == name and "ok" in e]
-            if not any(not e["ok"] for e in ended) and len(ended) < ranks:
+            if not any(not e["ok"] for e in ended) and len(ended) < ranks.count:
                 started = [e["t"] for evs in every for e in evs if e.get("phase") == name and e.get("started")]
                 if started:
                     progress.running(name, time.time() - min(started))
@@ -193,51 +187,38 @@ def supervise(processes, phases, folder, progress, grace=5.0, deadline=None):
         return every
 
     try:
-        while True:
+        while ranks.agent.poll() is None and (deadline is None or time.monotonic() < deadline):
             follow()
-            now = time.monotonic()
-            for rank, p in enumerate(processes):
-                if p.poll() not in (None, 0) and rank not in died_at:
-                    died_at[rank] = time.time()
-            codes = [p.poll() for p in processes]
-            if None not in codes:
-                break
-            if died_at or not all(s["ok"] for s in summaries.values()):
-                failed_at = failed_at or now
-                if now - failed_at > grace:
-                    break
-            if deadline is not None and now > deadline:
-                break
             time.sleep(0.2)
-        every = follow()
     finally:
-        stop(processes)
+        ranks.stop()
+    every = follow()
+    result = ranks.result()
     done = [next((e for e in evs if e.get("done")), None) for evs in every]
-    return {"phases": summaries, "failure": first_failure(every, processes, died_at, phases, folder),
-            "facts": (done[0] or {}) if done else {}, "ranks": done, "events": every}
+    return {"phases": summaries, "failure": first_failure(every, result, phases, folder),
+            "facts": (done[0] or {}) if done else {}, "ranks": done, "events": every, "codes": result["codes"]}
 
 
-def first_failure(every, processes, died_at, phases, folder):
-    """The failure to report: a rank that died without recording why (the others' errors
-    follow from it), else the error recorded first."""
+def first_failure(every, result, phases, folder):
+    """The failure to report: the rank that failed first (the agent's word) where it died
+    without recording why (the others' errors follow from it), else the error recorded first."""
+    codes, first = result["codes"], result["first"]
     recorded = {r for r, evs in enumerate(every) for e in evs if e.get("ok") is False and "phase" in e}
-    silent = [r for r in died_at if r not in recorded]
-    if silent:
-        rank = min(silent, key=died_at.get)
-        code = processes[rank].returncode
+    if first is not None and first not in recorded:
+        code = codes[first]
         how = f"was killed by {signal_name(code)}" if code < 0 else f"exited with status {code}"
         if code == -signal.SIGKILL:
             how += " (out of memory?)"
-        started = [e["phase"] for e in every[rank] if e.get("started")]
-        return dict(rank=rank, phase=started[-1] if started else None, error=f"the process {how}",
-                    where="", traceback=log_tail(folder, rank), input=False)
+        started = [e["phase"] for e in every[first] if e.get("started")]
+        return dict(rank=first, phase=started[-1] if started else None, error=f"the process {how}",
+                    where="", traceback=log_tail(folder, first), input=False)
     errors = [dict(e, rank=r) for r, evs in enumerate(every) for e in evs if e.get("ok") is False and "phase" in e]
     if errors:
         return min(errors, key=lambda e: e["t"])
-    unfinished = [r for r, p in enumerate(processes) if p.returncode != 0]
-    if unfinished:  # still running when stopped (cannot happen without a failure) or ended oddly
+    unfinished = [r for r, code in enumerate(codes) if code != 0]
+    if unfinished:  # stopped (a deadline, or the agent itself was stopped) or ended oddly
         return dict(rank=unfinished[0], phase=None, error="stopped before it finished", where="",
-                    traceback=log_tail(folder, unfinished[0]), input=False)
+                    traceback=log_tail(folder, unfinished[0]) or log_tail(folder, "agent"), input=False)
     done = {e.get("phase") for evs in every for e in evs if e.get("ok")}
     lacking = [p for p in phases if p not in done]
     if lacking:
@@ -247,8 +228,10 @@ def first_failure(every, processes, died_at, phases, folder):
 
 
 def log_tail(folder, rank, lines=15):
+    """The last lines of ``rank<N>.log`` (``rank`` "agent": of ``agent.log``)."""
+    name = "agent.log" if rank == "agent" else f"rank{rank}.log"
     try:
-        with open(os.path.join(folder, f"rank{rank}.log"), errors="replace") as f:
+        with open(os.path.join(folder, name), errors="replace") as f:
             return "".join(f.readlines()[-lines:])
     except OSError:
         return ""
@@ -275,3 +258,63 @@ def report_failure(prog, failure, folder):
     return 1
 
 
+
+
+# --- The agent: torch's own launcher, in a process of its own ---
+
+
+def agent_main(folder, count, command):
+    """Run ``command`` as ``count`` ranks under torch's elastic agent (``launch_agent``, what
+    torchrun runs: a c10d rendezvous on loopback, one node, no restarts; when a rank fails or
+    dies it stops the others), each rank's output in ``rank<N>.log``; write what became of each
+    rank to ``agent.json`` (``Ranks.result``). Ends, and ends the ranks, when the parent is gone
+    or sends SIGTERM."""
+    import threading
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, launch_agent
+
+    class RankLogs(LogsSpecs):
+        """Rank N's stderr in ``rank<N>.log`` (``worker.main`` puts its stdout there too)."""
+
+        @property
+        def root_log_dir(self):
+            return folder
+
+        def reify(self, envs):
+            logs = {local: os.path.join(folder, f"rank{env['RANK']}.log") for local, env in envs.items()}
+            errors = {local: f"{log[:-4]}.error.json" for local, log in logs.items()}  # torch's, if written
+            return LogsDest(stdouts=dict.fromkeys(logs, ""), stderrs=logs, error_files=errors)  # "": the agent's
+
+    parent = os.getppid()
+
+    def end_with_parent():
+        while os.getppid() == parent:
+            time.sleep(1)
+        os.kill(os.getpid(), signal.SIGTERM)  # the agent's own handler stops the ranks
+
+    threading.Thread(target=end_with_parent, daemon=True).start()
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=count, run_id=uuid.uuid4().hex, rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1", max_restarts=0, monitor_interval=0.1,
+        shutdown_timeout=SHUTDOWN, logs_specs=RankLogs(),
+    )
+    result = {"codes": [0] * count, "first": None, "stopped": None}
+    try:
+        launch_agent(config, command[0], list(command[1:]))
+    except ChildFailedError as exc:
+        for rank, failure in exc.failures.items():
+            result["codes"][rank] = failure.exitcode
+        result["first"] = exc.get_first_failure()[0]
+    except SignalException as exc:
+        result.update(codes=[None] * count, stopped=exc.sigval.name)
+    with open(os.path.join(folder, "agent.json.tmp"), "w") as f:
+        json.dump(result, f)
+    os.replace(os.path.join(folder, "agent.json.tmp"), os.path.join(folder, "agent.json"))
+    return 0 if result["first"] is None and result["stopped"] is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(agent_main(sys.argv[1], int(sys.argv[2]), sys.argv[3:]))

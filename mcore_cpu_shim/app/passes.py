@@ -90,10 +90,10 @@ def run_pass(groups, all_steps, label, folder, extra_env, progress, timeout):
         sub = os.path.join(folder, group.name)
         os.makedirs(sub)
         env = dict(os.environ, **extra_env, **group.env)
-        processes = launch.start_ranks(group.spec, sub, group.worker, env=env)
+        started = launch.start_ranks(group.spec, sub, group.worker, env=env)
         watcher = StepProgress(label, sub, group, progress)
         phases = tuple(p for step in group.steps for p in group.step_phases[step])
-        outcome = launch.supervise(processes, phases, sub, watcher, deadline=deadline)
+        outcome = launch.supervise(started, phases, watcher, deadline=deadline)
         for step in group.steps:
             if step in watcher.shown:
                 steps[step] = summarise_step(group.step_phases[step], outcome["events"])
@@ -105,7 +105,7 @@ def run_pass(groups, all_steps, label, folder, extra_env, progress, timeout):
             progress(label, step, steps[step])
             break
         ranks += outcome["ranks"]
-        codes += [p.returncode for p in processes]
+        codes += outcome["codes"]
     for step in all_steps:
         steps.setdefault(step, dict(ok=None))  # not reached
     return {"steps": steps, "ranks": ranks, "exit_codes": codes}

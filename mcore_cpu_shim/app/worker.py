@@ -1,11 +1,12 @@
 """The worker side of every command that starts ranks: one rank's life and its event records.
 
-``launch.start_ranks`` starts each rank as ``python -m <package>.app.<worker> SPEC RANK`` in a
-fresh interpreter with ``CUDA_VISIBLE_DEVICES=""``: ``-m`` imports the package first, so the
-shim is active (or, with ``MCORE_CPU_SHIM_DISABLE``, deliberately not) before torch,
-megatron-core or Megatron-Bridge is imported. SPEC is the JSON file the parent wrote. The
-worker module (``convert_worker``, ``demo_worker``, ``demo_bridge``) calls ``main`` with its own
-``run(spec, rank, phases)``.
+torch's elastic agent (``launch``) starts each rank as ``python -m <package>.app.<worker> SPEC``
+in a fresh interpreter with ``CUDA_VISIBLE_DEVICES=""`` and ``RANK`` set: ``-m`` imports the
+package first, so the shim is active (or, with ``MCORE_CPU_SHIM_DISABLE``, deliberately not)
+before torch, megatron-core or Megatron-Bridge is imported. SPEC is the JSON file the parent
+wrote. The worker module (``convert_worker``, ``demo_worker``, ``demo_bridge``) calls ``main``
+with its own ``run(spec, rank, phases)``; the rank's output (stdout too) goes to the agent's
+``rank<RANK>.log``.
 
 The one event format: each phase appends JSON lines to ``<events>/rank<RANK>.jsonl`` as it
 starts and ends (``{"phase", "started"}``, then ``{"phase", "ok", "seconds", ...facts}`` or
@@ -216,7 +217,10 @@ def end_with_parent(interval=2.0):
 
 def main(spec_path, rank, run, phases_class=Phases):
     """Run one rank: ``run(spec, rank, phases)``, its phases recorded by a ``phases_class``,
-    then the facts; exits."""
+    then the facts; exits. Its stdout goes where its stderr goes (the agent gives a rank one
+    log, its stderr)."""
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     end_with_parent()
     with open(spec_path) as f:
         spec = json.load(f)
