@@ -4,7 +4,7 @@
 CUDA hidden (``CUDA_VISIBLE_DEVICES=""``), this package importable, a Gloo group on loopback
 and the host's cores shared out. The ranks are started, watched and stopped by torch's own
 launcher, the elastic agent behind torchrun (``launch_agent``), which runs in a process of its
-own (``python -m`` this module): it sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+own (``python -m`` ``agent``): it sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` (a c10d rendezvous on 127.0.0.1), stops every rank once one failed or died and
 says which failed first. ``start_ranks`` writes the spec and starts the agent; ``supervise``
 follows the event records the ranks write (``worker.Phases``, one format for every command)
@@ -20,6 +20,8 @@ import signal
 import subprocess
 import sys
 import time
+
+from .agent import SHUTDOWN
 
 
 def package_root():
@@ -65,9 +67,6 @@ def rank_environment(ranks, base=None):
     return env
 
 
-SHUTDOWN = 5  # seconds the agent gives a stopped rank before it kills it
-
-
 class Ranks:
     """The ranks of one launch: torch's elastic agent (``agent``, a ``Popen``) and, once it
     ended, what it said of each rank (``result()``)."""
@@ -99,7 +98,7 @@ class Ranks:
 
 
 def start_ranks(spec, folder, worker, command=None, env=None):
-    """Write the spec and start torch's elastic agent (``python -m`` this module, in a session
+    """Write the spec and start torch's elastic agent (``python -m`` ``agent``, in a session
     of its own, output to ``agent.log``) with one rank per ``spec["ranks"]``: ``python -m`` the
     module ``worker`` of this package's application, or ``command`` (an argument list, the
     same for every rank: a rank reads ``RANK`` from its environment). ``env``: the environment
@@ -111,7 +110,7 @@ def start_ranks(spec, folder, worker, command=None, env=None):
     command = command or [sys.executable, "-m", f"{__package__}.{worker}", spec_path]
     with open(os.path.join(folder, "agent.log"), "w") as log:
         agent = subprocess.Popen(
-            [sys.executable, "-m", __name__, folder, str(spec["ranks"]), *command],
+            [sys.executable, "-m", f"{__package__}.agent", folder, str(spec["ranks"]), *command],
             env=rank_environment(spec["ranks"], base=env),
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
@@ -259,62 +258,3 @@ def report_failure(prog, failure, folder):
 
 
 
-
-# --- The agent: torch's own launcher, in a process of its own ---
-
-
-def agent_main(folder, count, command):
-    """Run ``command`` as ``count`` ranks under torch's elastic agent (``launch_agent``, what
-    torchrun runs: a c10d rendezvous on loopback, one node, no restarts; when a rank fails or
-    dies it stops the others), each rank's output in ``rank<N>.log``; write what became of each
-    rank to ``agent.json`` (``Ranks.result``). Ends, and ends the ranks, when the parent is gone
-    or sends SIGTERM."""
-    import threading
-    import uuid
-
-    from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, launch_agent
-
-    class RankLogs(LogsSpecs):
-        """Rank N's stderr in ``rank<N>.log`` (``worker.main`` puts its stdout there too)."""
-
-        @property
-        def root_log_dir(self):
-            return folder
-
-        def reify(self, envs):
-            logs = {local: os.path.join(folder, f"rank{env['RANK']}.log") for local, env in envs.items()}
-            errors = {local: f"{log[:-4]}.error.json" for local, log in logs.items()}  # torch's, if written
-            return LogsDest(stdouts=dict.fromkeys(logs, ""), stderrs=logs, error_files=errors)  # "": the agent's
-
-    parent = os.getppid()
-
-    def end_with_parent():
-        while os.getppid() == parent:
-            time.sleep(1)
-        os.kill(os.getpid(), signal.SIGTERM)  # the agent's own handler stops the ranks
-
-    threading.Thread(target=end_with_parent, daemon=True).start()
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=count, run_id=uuid.uuid4().hex, rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1", max_restarts=0, monitor_interval=0.1,
-        shutdown_timeout=SHUTDOWN, logs_specs=RankLogs(),
-    )
-    result = {"codes": [0] * count, "first": None, "stopped": None}
-    try:
-        launch_agent(config, command[0], list(command[1:]))
-    except ChildFailedError as exc:
-        for rank, failure in exc.failures.items():
-            result["codes"][rank] = failure.exitcode
-        result["first"] = exc.get_first_failure()[0]
-    except SignalException as exc:
-        result.update(codes=[None] * count, stopped=exc.sigval.name)
-    with open(os.path.join(folder, "agent.json.tmp"), "w") as f:
-        json.dump(result, f)
-    os.replace(os.path.join(folder, "agent.json.tmp"), os.path.join(folder, "agent.json"))
-    return 0 if result["first"] is None and result["stopped"] is None else 1
-
-
-if __name__ == "__main__":
-    sys.exit(agent_main(sys.argv[1], int(sys.argv[2]), sys.argv[3:]))
