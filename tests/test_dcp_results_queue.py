@@ -71,7 +71,7 @@ folder = Path(sys.argv[1])
 init_gloo(str(folder))
 (folder / "ckpt").mkdir()
 dist_checkpointing.save(tiny_gpt(seed=1).sharded_state_dict(), str(folder / "ckpt"))
-import_every_target(mcore_cpu_shim)  # (0.17/0.18: the save never imports strategies.base)
+import_every_target(mcore_cpu_shim, "dcp_results_queue")  # (0.17/0.18: the save never imports strategies.base)
 print(json.dumps({"shared queue": filesystem_async._results_queue is not None,
                   "state": mcore_cpu_shim.status()["dcp_results_queue"]["state"]}))
 """

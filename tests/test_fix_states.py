@@ -87,7 +87,7 @@ def expected_target_state(fix, target):
 def test_fix_state_matches_mode(fix):
     import mcore_cpu_shim
 
-    import_every_target(mcore_cpu_shim)
+    import_every_target(mcore_cpu_shim, fix)
     status = mcore_cpu_shim.status()[fix]
     states = {target: s["state"] for target, s in status["targets"].items()}
     assert states == {target: expected_target_state(fix, target) for target in states}, status
