@@ -219,6 +219,18 @@ def test_parallelism_that_does_not_divide(tmp_path, capsys):
     assert code == 2 and "--ranks 6 is not a multiple of --tp 2 x --pp 2 x --ep 1" in err
 
 
+def test_virtual_stages_that_do_not_fit(tmp_path, capsys):
+    hf = fake_hf(tmp_path / "hf")
+    code, _, err = convert("import", "--hf", hf, "--out", tmp_path / "out", "--vpp", 2, capsys=capsys)
+    assert code == 2 and "--vpp 2 needs --pp > 1" in err
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=6)))
+    code, _, err = convert("import", "--hf", hf, "--out", tmp_path / "out", "--pp", 2, "--vpp", 2, capsys=capsys)
+    assert code == 2 and "config.json has 6 layers, not a multiple of --pp 2 x --vpp 2 = 4" in err
+    assert "with --pp 2, --vpp 1 or 3 would fit" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_megatron_bridge_not_installed(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "megatron.bridge", None)  # find_spec: not installed
     hf = fake_hf(tmp_path / "hf")
@@ -464,6 +476,25 @@ def test_gpt_oss_two_ranks_expert_parallel(tmp_path):
     text = imported.stdout + imported.stderr
     assert imported.returncode == 0, text
     assert "2 ranks, TP 1, EP 2" in imported.stdout and f"{count}/{count} tensors equal" in imported.stdout
+    exported = convert_process("export", "--megatron", tmp_path / "megatron", "--hf-config", hf,
+                               "--out", tmp_path / "back", "--verify")
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    assert assert_same_as(hf, tmp_path / "back") == count
+
+
+@needs_bridge
+def test_virtual_pipeline_stages_import_and_reshard_exactly(tmp_path):
+    """Llama with four layers at PP 2 x VPP 2 (two ranks, two model chunks each, interleaved):
+    verified on import, exported on one rank (no pipeline), every tensor the source's."""
+    from mcore_cpu_shim.app import hf_models
+
+    hf = hf_models.write("llama", tmp_path / "hf", num_hidden_layers=4)
+    count = len(hf_models.tensors(hf))
+    imported = convert_process("import", "--hf", hf, "--out", tmp_path / "megatron", "--pp", 2, "--vpp", 2, "--verify")
+    assert imported.returncode == 0, imported.stdout + imported.stderr
+    assert "2 ranks, TP 1, PP 2 x VPP 2, EP 1" in imported.stdout and f"{count}/{count} tensors equal" in imported.stdout
+    run_config = (tmp_path / "megatron" / "iter_0000000" / "run_config.yaml").read_text()
+    assert "virtual_pipeline_model_parallel_size: 2" in run_config  # the model was built in four chunks
     exported = convert_process("export", "--megatron", tmp_path / "megatron", "--hf-config", hf,
                                "--out", tmp_path / "back", "--verify")
     assert exported.returncode == 0, exported.stdout + exported.stderr

@@ -55,6 +55,8 @@ def add_parser(subparsers):
     imp.add_argument("--tp", type=positive, default=1, help="tensor parallelism (default 1)")
     imp.add_argument("--pp", type=positive, default=1, help="pipeline parallelism (default 1)")
     imp.add_argument("--ep", type=positive, default=1, help="expert parallelism (default 1)")
+    imp.add_argument("--vpp", type=positive, default=1,
+                     help="virtual pipeline stages per pipeline rank (interleaved; needs --pp > 1; default 1)")
     _common(imp)
 
     exp = directions.add_parser(

@@ -44,7 +44,10 @@ def check(args, world=None):
         method = check_quantization(config, hf)
         source = check_safetensors(hf, "--hf")
         out = check_out(args.out, [("--hf", hf)], args.overwrite)
+        check_stages(config, args.pp, args.vpp)
         spec = dict(hf=hf, dtype=args.dtype, tp=args.tp, pp=args.pp, ep=args.ep, ranks=ranks)
+        if args.vpp > 1:
+            spec["vpp"] = args.vpp
         if method == "fp8":  # dequantized into a folder next to --out first (run() makes it)
             check_room(out, 4 * source["bytes"], "the dequantized copy of the FP8 source and the checkpoint")
             spec["dequantize"] = True
@@ -61,6 +64,20 @@ def check(args, world=None):
     return spec, config, source
 
 
+def check_stages(config, pp, vpp):
+    """Virtual pipeline stages: only with pipeline stages, and the layers (``num_hidden_layers``
+    of config.json, where it says) split evenly into ``pp x vpp`` model chunks."""
+    if vpp == 1:
+        return
+    if pp == 1:
+        raise InputError(f"--vpp {vpp} needs --pp > 1: virtual stages interleave the layers of the pipeline stages")
+    layers = config.get("num_hidden_layers", config.get("text_config", {}).get("num_hidden_layers"))
+    if isinstance(layers, int) and layers % (pp * vpp):
+        fits = [v for v in range(1, layers // pp + 1) if layers % (pp * v) == 0]
+        raise InputError(f"config.json has {layers} layers, not a multiple of --pp {pp} x --vpp {vpp} = {pp * vpp}: "
+                         f"with --pp {pp}, --vpp {' or '.join(map(str, fits)) or '1'} would fit")
+
+
 def facts_line(facts):
     versions = [f"{name} {facts[key]}" for name, key in (("megatron-core", "megatron_core"),
                 ("Megatron-Bridge", "megatron_bridge"), ("torch", "torch")) if facts.get(key)]
@@ -71,6 +88,7 @@ def facts_line(facts):
 def describe(spec, source):
     if spec["direction"] == "import":
         stages = f", PP {spec['pp']}" if spec.get("pp", 1) > 1 else ""
+        stages += f" x VPP {spec['vpp']}" if spec.get("vpp", 1) > 1 else ""
         parallel = f"{spec['ranks']} rank{'s' if spec['ranks'] > 1 else ''}, TP {spec['tp']}{stages}, EP {spec['ep']}"
         dtype = spec["dtype"] or "the model's dtype"
         weights = f"{source['tensors']} tensors, {launch.size_text(source['bytes'])} in {source['files']} file(s)"

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from .hf_layout import check_complete, check_source, expected_tensors, stage_config
+from .hf_layout import check_complete, check_source, expected_tensors, has_tokenizer, stage_config
 from .quantized import COMPLETE, dequantize_folder, source_tensors
 from .worker import InputProblem, VerifyMismatch, directory_size, init_gloo, main, timeout_minutes
 
@@ -101,13 +101,6 @@ def check_comparison(facts):
         raise VerifyMismatch(f"{summary}: {'; '.join(problems) or 'nothing to compare'}", facts)
 
 
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
-
-
-def has_tokenizer(folder):
-    return any(os.path.exists(os.path.join(folder, name)) for name in TOKENIZER_FILES)
-
-
 # --- The conversion ---
 
 
@@ -158,6 +151,7 @@ def configure(provider, spec, dtype):
 
     provider.tensor_model_parallel_size = spec["tp"]
     provider.pipeline_model_parallel_size = spec.get("pp", 1)
+    provider.virtual_pipeline_model_parallel_size = spec.get("vpp")  # (set only where > 1)
     provider.expert_model_parallel_size = spec["ep"]
     provider.expert_tensor_parallel_size = EXPERTS_WHOLE
     if dtype is not None:
@@ -175,7 +169,8 @@ def load_checkpoint(bridge, folder, spec, **config):
     the config read from the checkpoint (``load_megatron_model`` sets every key of its
     overrides that the config has; e.g. ``bf16=False`` for a float32 model)."""
     overrides = {"tensor_model_parallel_size": spec["tp"], "pipeline_model_parallel_size": spec.get("pp", 1),
-                 "expert_model_parallel_size": spec["ep"], "expert_tensor_parallel_size": EXPERTS_WHOLE, **config}
+                 "virtual_pipeline_model_parallel_size": spec.get("vpp"), "expert_model_parallel_size": spec["ep"],
+                 "expert_tensor_parallel_size": EXPERTS_WHOLE, **config}
     return bridge.load_megatron_model(folder, mp_overrides=overrides)
 
 

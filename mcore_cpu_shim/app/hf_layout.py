@@ -155,3 +155,11 @@ def check_complete(folder, expected):
         raise VerifyMismatch(f"the export does not hold the {len(required)} tensors of the model its config.json "
                              f"describes: {'; '.join(problems)}", facts)
     return facts
+
+
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(folder):
+    """Whether a Hugging Face folder holds a tokenizer (one of its usual files)."""
+    return any(os.path.exists(os.path.join(folder, name)) for name in TOKENIZER_FILES)
