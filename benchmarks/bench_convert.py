@@ -293,9 +293,9 @@ def run_convert(hf, out, folder, stream, plain_save=False, layout=()):
 
     spawned = time.time()
     env = dict(os.environ, **{PLAIN_SAVE: "1"}) if plain_save else None
-    processes = launch.start_ranks(spec, folder, "convert_worker", env=env,
-                                   command=[sys.executable, os.path.abspath(__file__), "--rank", spec_path])
-    outcome = launch.supervise(processes, ("imports",) + phases_of(spec), launch.Progress(stream))
+    ranks = launch.start_ranks(spec, folder, "convert_worker", env=env,
+                               command=[sys.executable, os.path.abspath(__file__), "--rank", spec_path])
+    outcome = launch.supervise(ranks, ("imports",) + phases_of(spec), launch.Progress(stream))
     ended = time.time()
     if outcome["failure"] is not None:  # keep the rank logs: the working folder goes
         logs = shutil.move(folder, tempfile.mkdtemp(prefix="mcore-cpu-shim-bench-convert-logs-"))

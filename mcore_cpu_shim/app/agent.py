@@ -16,7 +16,8 @@ import json
 import os
 import signal
 import sys
-import time
+
+from .worker import end_with_parent
 
 SHUTDOWN = 5  # seconds the agent gives a stopped rank before it kills it
 
@@ -27,7 +28,6 @@ def agent_main(folder, count, command):
     dies it stops the others), each rank's output in ``rank<N>.log``; write what became of each
     rank to ``agent.json`` (``Ranks.result``). Ends, and ends the ranks, when the parent is gone
     or sends SIGTERM."""
-    import threading
     import uuid
 
     from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, SignalException
@@ -46,14 +46,8 @@ def agent_main(folder, count, command):
             errors = {local: f"{log[:-4]}.error.json" for local, log in logs.items()}  # torch's, if written
             return LogsDest(stdouts=dict.fromkeys(logs, ""), stderrs=logs, error_files=errors)  # "": the agent's
 
-    parent = os.getppid()
-
-    def end_with_parent():
-        while os.getppid() == parent:
-            time.sleep(1)
-        os.kill(os.getpid(), signal.SIGTERM)  # the agent's own handler stops the ranks
-
-    threading.Thread(target=end_with_parent, daemon=True).start()
+    # The parent gone: SIGTERM, so that the agent's own handler stops the ranks.
+    end_with_parent(1.0, end=lambda: os.kill(os.getpid(), signal.SIGTERM))
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=count, run_id=uuid.uuid4().hex, rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1", max_restarts=0, monitor_interval=0.1,

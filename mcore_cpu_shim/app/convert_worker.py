@@ -1,8 +1,8 @@
 """One rank of ``mcore-cpu-shim convert``: Megatron-Bridge's public API, phase by phase.
 
 Started by the launcher (``launch.start_ranks``) as ``python -m <package>.app.convert_worker
-SPEC`` with ``RANK`` set; the rank's life, its event records and its last facts are ``worker.main``'s. SPEC
-holds the direction, folders, world, parallelism and timeout.
+SPEC`` with ``RANK`` set; the rank's life, its event records and its last facts are
+``worker.main``'s. SPEC holds the direction, folders, world, parallelism and timeout.
 
 The conversion itself is Bridge's: ``AutoBridge.from_hf_pretrained``, the model provider
 (``to_megatron_provider``, ``provide_distributed_model``, its weight-loading hook),

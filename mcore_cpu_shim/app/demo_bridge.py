@@ -15,8 +15,8 @@ a folder of its own):
 - ``export``: one process runs convert's export (``convert_worker.run_export``:
   ``load_megatron_model``, ``save_hf_pretrained``), then compares the tensors, then the logits.
 
-Every worker is ``python -m <package>.app.demo_bridge SPEC`` (``RANK`` set): ``worker.main`` with this
-module's ``run``. In the pass with the shim (``strict`` in the spec) each phase runs under
+Every worker is ``python -m <package>.app.demo_bridge SPEC`` (``RANK`` set): ``worker.main``
+with this module's ``run``. In the pass with the shim (``strict`` in the spec) each phase runs under
 ``forbid_cuda()``, so a CUDA call that the code catches and hides still fails it.
 
 Nothing is imported from torch, transformers, megatron or Bridge at module level: the parent

@@ -1,13 +1,13 @@
 """One rank of ``mcore-cpu-shim demo``'s megatron-core-only round trip, phase by phase.
 
 Started by the launcher (``launch.start_ranks``, through ``passes``) as ``python -m
-<package>.app.demo_worker SPEC`` (``RANK`` set) in a fresh interpreter (importing the package first, so
-MCORE_CPU_SHIM_DISABLE decides whether the fixes are on and MCORE_CPU_SHIM_TE whether the
-Transformer Engine import guard is); the rank's life, its event records and its last facts are
-``worker.main``'s. SPEC holds the model size, the world and where to write. The steps are
+<package>.app.demo_worker SPEC`` (``RANK`` set) in a fresh interpreter (importing the package
+first, so MCORE_CPU_SHIM_DISABLE decides whether the fixes are on and MCORE_CPU_SHIM_TE whether
+the Transformer Engine import guard is); the rank's life, its event records and its last facts
+are ``worker.main``'s. SPEC holds the model size, the world and where to write. The steps are
 phases: with ``strict`` in the spec each runs under ``forbid_cuda()``, so a CUDA call that
-megatron-core catches and hides still fails it. The model is built here, once, for the demo,
-the benchmarks and the tests.
+megatron-core catches and hides still fails it. The model is built here, once, for the demo, the
+benchmarks and the tests.
 """
 
 import os

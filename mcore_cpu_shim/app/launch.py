@@ -255,6 +255,3 @@ def report_failure(prog, failure, folder):
             print(f"    {line}", file=sys.stderr)
     print(f"  rank logs kept in {folder}", file=sys.stderr)
     return 1
-
-
-

@@ -197,9 +197,10 @@ def final_facts():
     return facts
 
 
-def end_with_parent(interval=2.0):
-    """End this rank, and what it started, once the parent command is gone (killed without a
-    chance to stop its ranks): a rank must not convert, or wait for peers, for nobody."""
+def end_with_parent(interval=2.0, end=None):
+    """End this rank, and what it started, once its parent (torch's agent) is gone (killed
+    without a chance to stop its ranks): a rank must not convert, or wait for peers, for
+    nobody. ``end``: what to do instead (the agent itself stops its ranks first)."""
     import signal
     import threading
 
@@ -208,7 +209,9 @@ def end_with_parent(interval=2.0):
     def watch():
         while os.getppid() == parent:
             time.sleep(interval)
-        if os.getpgrp() == os.getpid():  # a session of its own, as launch starts it
+        if end is not None:
+            return end()
+        if os.getpgrp() == os.getpid():  # a session of its own, as the agent starts it
             os.killpg(os.getpgrp(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
