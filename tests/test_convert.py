@@ -258,11 +258,29 @@ spec_path, rank, plan = sys.argv[1], int(os.environ["RANK"]), json.loads(sys.arg
 with open(spec_path) as f:
     spec = json.load(f)
 phases = worker.Phases(os.path.join(spec["events"], f"rank{rank}.jsonl"))
+
+
+def every_rank_in(name):  # a rank fails once all are in the phase, as in a collective
+    for _ in range(1200):
+        started = 0
+        for r in range(spec["ranks"]):
+            try:
+                with open(os.path.join(spec["events"], f"rank{r}.jsonl")) as f:
+                    started += any(e.get("phase") == name and e.get("started") for e in map(json.loads, f))
+            except OSError:
+                pass
+        if started == spec["ranks"]:
+            return
+        time.sleep(0.05)
+
+
 ok = False
 try:
     for name in convert_worker.phases_of(spec):
         phases.start(name)
         action = plan.get(f"{rank}:{name}")
+        if action in ("raise", "die"):
+            every_rank_in(name)
         if action == "raise":
             raise RuntimeError(f"boom on rank {rank}")
         if action == "input":

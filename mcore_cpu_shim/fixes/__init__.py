@@ -41,6 +41,7 @@ from . import (  # noqa: E402
     bridge_process_group,
     bridge_replicated_device,
     bridge_rng_state,
+    bridge_save_copies,
     bridge_scatter_contiguous,
     bridge_te_optional,
     bridge_yarn_config,
@@ -57,4 +58,5 @@ BRIDGE_FIXES = (
     bridge_local_experts.FIX,
     bridge_replicated_device.FIX,
     bridge_scatter_contiguous.FIX,
+    bridge_save_copies.FIX,
 )
