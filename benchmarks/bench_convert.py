@@ -15,13 +15,15 @@ process with CUDA hidden, the shim active). Per phase, the wall time and the pea
   save              save_megatron_model (torch_dist, low_memory_save)
   reload + verify   load_megatron_model into a fresh model, export_hf_weights, exact comparison
 
-Side by side, in the same run, the floor: a fresh process (same environment) that reads the
-same safetensors (``safetensors.torch.load_file``: the files are mapped, so the reading shows
-in the write, which touches every page, as Bridge's reads do), writes them once with
-``torch.save`` and once (another process) with ``safetensors.torch.save_file``, then fsyncs
-the file (megatron-core's writer fsyncs what it writes; the fsync is a row of its own).
-Repetitions alternate (convert, torch.save, save_file, convert, ...) so that drift on a shared
-machine hits all three; medians are reported. The ratios:
+Side by side, in the same run, three floors, each a fresh process (same environment): the
+disk's own limit (the safetensors files' bytes read whole and written once to one file, no
+tensor library imported), and a process that reads the same safetensors
+(``safetensors.torch.load_file``: the files are mapped, so the reading shows in the write,
+which touches every page, as Bridge's reads do) and writes them once with ``torch.save`` and
+once (another process) with ``safetensors.torch.save_file``; each then fsyncs the file
+(megatron-core's writer fsyncs what it writes; the fsync is a row of its own). Repetitions
+alternate (convert, raw, torch.save, save_file, convert, ...) so that drift on a shared machine
+hits all of them; medians are reported. The ratios:
 
   time   conversion / floor: end to end (process start to the end of save, i.e. without
          verify; the floor's start to its fsync), and the work alone (load HF .. save against
@@ -82,7 +84,7 @@ SIZES = {
 CONVERT_ROWS = (("imports", "start + imports"), ("load HF", "load HF"), ("build model", "build model"),
                 ("copy weights", "copy weights"), ("save", "save"), ("verify", "reload + verify"))
 FLOOR_ROWS = (("imports", "start + imports"), ("read", "read safetensors"), ("write", "write"), ("fsync", "fsync"))
-FLOORS = {"torch": "torch.save", "safetensors": "safetensors save_file"}
+FLOORS = {"raw": "raw read + write", "torch": "torch.save", "safetensors": "safetensors save_file"}
 FIGURES = ("seconds", "peak", "rss_peak", "children_peak", "rss_end")  # per phase (bytes, but seconds)
 WORK = ("load HF", "build model", "copy weights", "save")  # the conversion without imports and verify
 # Set for --compare-save's second conversion: Bridge's save without its low-memory flow.
@@ -207,21 +209,33 @@ def rank_main(spec_path, rank):
 
 
 def floor_main(kind, hf, out, events_path):
-    """The floor: read every safetensors file of ``hf`` into memory, write it all to ``out``."""
+    """The floor: read every safetensors file of ``hf`` into memory, write it all to ``out``
+    (``raw``: the files' bytes as they are, one after another, without torch)."""
     phases = MeasuredPhases(events_path)
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    phases.start("read")
-    state = {}
-    for name in sorted(os.listdir(hf)):
-        if name.endswith(".safetensors"):
-            state.update(load_file(os.path.join(hf, name)))
-    phases.start("write")
-    if kind == "torch":
-        torch.save(state, out)
+    files = [os.path.join(hf, name) for name in sorted(os.listdir(hf)) if name.endswith(".safetensors")]
+    if kind == "raw":
+        phases.start("read")
+        contents = []
+        for path in files:
+            with open(path, "rb") as f:
+                contents.append(f.read())
+        phases.start("write")
+        with open(out, "wb") as f:
+            for data in contents:
+                f.write(data)
     else:
-        save_file(state, out)
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        phases.start("read")
+        state = {}
+        for path in files:
+            state.update(load_file(path))
+        phases.start("write")
+        if kind == "torch":
+            torch.save(state, out)
+        else:
+            save_file(state, out)
     phases.start("fsync")  # megatron-core's writer fsyncs every file it writes
     fd = os.open(out, os.O_RDONLY)
     try:
@@ -310,7 +324,7 @@ def run_convert(hf, out, folder, stream, plain_save=False, layout=()):
 def run_floor(kind, hf, workdir, stream):
     from mcore_cpu_shim.app.launch import read_events
 
-    out = os.path.join(workdir, f"floor.{'pt' if kind == 'torch' else 'safetensors'}")
+    out = os.path.join(workdir, f"floor.{dict(raw='bin', torch='pt').get(kind, 'safetensors')}")
     events = os.path.join(workdir, f"floor-{kind}.jsonl")
     log = os.path.join(workdir, f"floor-{kind}.log")
     for path in (out, events):
@@ -384,7 +398,7 @@ def main(argv=None):
             label = f"llama {args.size} preset"
             hf = written = os.path.join(workdir, f"llama-{args.size}")
             expected, write_seconds = write_model(args.size, hf, say)
-        runs = {"convert": [], "plain": [], "torch": [], "safetensors": []}
+        runs = {"convert": [], "plain": [], **{kind: [] for kind in FLOORS}}
         source = None
         sides = ["convert"] + (["plain"] if args.compare_save else []) + ([] if args.no_floor else list(FLOORS))
         for rep in range(args.reps):
@@ -482,8 +496,8 @@ def main(argv=None):
     peaks, added = ratios["peak_rss_over_model_bytes"], ratios["added_rss_over_model_bytes"]
     say("peak RSS / model bytes (in brackets: above the process after its imports): " + ", ".join(
         f"{name} {peaks[key]:.2f} ({added[key]:.2f})"
-        for key, name in (("convert", "conversion to save"), ("verify", "verify"), ("torch", "torch.save floor"),
-                          ("safetensors", "save_file floor")) if key in peaks))
+        for key, name in (("convert", "conversion to save"), ("verify", "verify"), ("raw", "raw floor"),
+                          ("torch", "torch.save floor"), ("safetensors", "save_file floor")) if key in peaks))
     if args.compare_save:
         low, plain = report["convert"]["save"], report["convert_plain_save"]["save"]
         report["ratios"]["save_plain_over_low_memory"] = {"seconds": plain["seconds"] / low["seconds"],
