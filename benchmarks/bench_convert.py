@@ -40,6 +40,7 @@ The model files are in the page cache for every side (just written, or read by t
 
     python benchmarks/bench_convert.py --size tiny                # smoke run, seconds
     python benchmarks/bench_convert.py --size 1B --reps 3
+    python benchmarks/bench_convert.py --hf DIR --export          # + convert export --verify
     python benchmarks/bench_convert.py --size 0.5B --json         # JSON alone on stdout
     python benchmarks/bench_convert.py --hf ~/models/SomeLlama    # a model folder you have
     python benchmarks/bench_convert.py --size 3B --reps 2 --compare-save
@@ -83,6 +84,9 @@ SIZES = {
 }
 CONVERT_ROWS = (("imports", "start + imports"), ("load HF", "load HF"), ("build model", "build model"),
                 ("copy weights", "copy weights"), ("save", "save"), ("verify", "reload + verify"))
+EXPORT_ROWS = (("imports", "start + imports"), ("load HF config", "load HF config"),
+               ("load Megatron", "load Megatron"), ("save HF", "save HF"), ("verify", "reload + verify"))
+EXPORT_WORK = ("load HF config", "load Megatron", "save HF")
 FLOOR_ROWS = (("imports", "start + imports"), ("read", "read safetensors"), ("write", "write"), ("fsync", "fsync"))
 FLOORS = {"raw": "raw read + write", "torch": "torch.save", "safetensors": "safetensors save_file"}
 FIGURES = ("seconds", "peak", "rss_peak", "children_peak", "rss_end")  # per phase (bytes, but seconds)
@@ -203,7 +207,8 @@ def rank_main(spec_path, rank):
                 return save(self, *args, **dict(kwargs, low_memory_save=False))
 
             AutoBridge.save_megatron_model = save_megatron_model
-        convert_worker.run_import(spec, rank, phases)  # its first phase ends "imports"
+        # (their first phase ends "imports")
+        (convert_worker.run_import if spec["direction"] == "import" else convert_worker.run_export)(spec, rank, phases)
 
     worker.main(spec_path, rank, run, phases_class=MeasuredPhases)
 
@@ -293,15 +298,30 @@ def phase_table(events, spawned):
     return table
 
 
-def run_convert(hf, out, folder, stream, plain_save=False, layout=()):
+def run_convert(hf, out, folder, stream, plain_save=False, layout=(), export=None):
     """One ``convert import --verify`` of ``hf`` (``layout``: more options, e.g. ``--ranks 2
-    --tp 2``). ``phases`` is rank 0's phase table, ``ranks`` every rank's."""
+    --tp 2``). ``phases`` is rank 0's phase table, ``ranks`` every rank's. ``export``: a
+    folder to ``convert export --verify`` the checkpoint into next (its run under "export")."""
+    shutil.rmtree(out, ignore_errors=True)
+    result, source = run_command(["import", "--hf", hf, "--out", out, "--verify", *layout], folder, stream, plain_save)
+    if export:
+        say = stream.write
+        say("  convert export --verify:\n")
+        result["export"], _ = run_command(["export", "--megatron", out, "--hf-config", hf, "--out", export, "--verify"],
+                                          folder + "-export", stream)
+        shutil.rmtree(export, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    return result, source
+
+
+def run_command(argv, folder, stream, plain_save=False):
+    """``convert ARGV`` through the command's own checks, launcher and supervisor, each rank
+    measured; ``(result, the source's facts)``."""
     from mcore_cpu_shim.app import cli, convert, launch
     from mcore_cpu_shim.app.convert_worker import phases_of
 
-    shutil.rmtree(out, ignore_errors=True)
     os.makedirs(folder)
-    args = cli.build_parser().parse_args(["convert", "import", "--hf", hf, "--out", out, "--verify", *layout])
+    args = cli.build_parser().parse_args(["convert", *argv])
     spec, _, source = convert.check(args)
     spec_path = os.path.join(folder, "spec.json")  # start_ranks writes it there
 
@@ -313,11 +333,11 @@ def run_convert(hf, out, folder, stream, plain_save=False, layout=()):
     ended = time.time()
     if outcome["failure"] is not None:  # keep the rank logs: the working folder goes
         logs = shutil.move(folder, tempfile.mkdtemp(prefix="mcore-cpu-shim-bench-convert-logs-"))
-        raise SystemExit(launch.report_failure("bench_convert: convert import", outcome["failure"], logs))
+        raise SystemExit(launch.report_failure(f"bench_convert: convert {argv[0]}", outcome["failure"], logs))
     events = [launch.read_events(os.path.join(folder, f"rank{rank}.jsonl")) for rank in range(spec["ranks"])]
     tables = [phase_table(each, spawned) for each in events]
-    size = next((e.get("size") for e in events[0] if e.get("phase") == "save" and e.get("ok")), None)
-    shutil.rmtree(out, ignore_errors=True)
+    written = "save" if argv[0] == "import" else "save HF"
+    size = next((e.get("size") for e in events[0] if e.get("phase") == written and e.get("ok")), None)
     return dict(phases=tables[0], ranks=tables, wall=ended - spawned, out_bytes=size, facts=outcome["facts"]), source
 
 
@@ -380,6 +400,8 @@ def main(argv=None):
     parser.add_argument("--no-floor", action="store_true", help="the conversion alone (no ratios)")
     parser.add_argument("--compare-save", action="store_true",
                         help="also convert with Bridge's save_megatron_model(low_memory_save=False), side by side")
+    parser.add_argument("--export", action="store_true",
+                        help="also convert each checkpoint back (convert export --verify), measured the same way")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout (the rest on stderr)")
     args = parser.parse_args(argv)
     if args.reps < 1:
@@ -408,7 +430,8 @@ def main(argv=None):
                     say("  convert import --verify" + (" (low_memory_save=False):" if side == "plain" else ":"))
                     result, source = run_convert(hf, os.path.join(workdir, "megatron"),
                                                  os.path.join(workdir, f"{side}-{rep}"), stream,
-                                                 plain_save=side == "plain")
+                                                 plain_save=side == "plain",
+                                                 export=os.path.join(workdir, "exported") if args.export and side == "convert" else None)
                 else:
                     result = run_floor(side, hf, workdir, stream)
                 runs[side].append(result)
@@ -445,6 +468,16 @@ def main(argv=None):
         "added_rss_over_model_bytes": {"convert": (peak_convert - base) / model_bytes,
                                        "verify": (report["convert"]["verify"]["peak"] - base) / model_bytes},
     }
+    if args.export:
+        exports = [r["export"] for r in runs["convert"]]
+        report["export"] = medians(exports)
+        report["export_seconds"] = {
+            "end_to_end_to_save": end_to_end(exports, "save HF"),
+            "work": statistics.median(sum(r["phases"][p]["seconds"] for p in EXPORT_WORK) for r in exports)}
+        peak_export = max(row["peak"] for p, row in report["export"].items() if p != "verify")
+        report["ratios"]["peak_rss_over_model_bytes"]["export"] = peak_export / model_bytes
+        report["ratios"]["added_rss_over_model_bytes"]["export"] = (
+            (peak_export - report["export"]["imports"]["peak"]) / model_bytes)
     for kind in ([] if args.no_floor else FLOORS):
         report[f"floor_{kind}"] = medians(runs[kind])
         e2e = end_to_end(runs[kind], "fsync")
@@ -452,6 +485,9 @@ def main(argv=None):
         report[f"floor_{kind}_seconds"] = {"end_to_end": e2e, "work": work}
         report["ratios"][f"convert_over_{kind}_end_to_end"] = convert_e2e / e2e
         report["ratios"][f"convert_over_{kind}_work"] = convert_work / work
+        if args.export:
+            report["ratios"][f"export_over_{kind}_end_to_end"] = report["export_seconds"]["end_to_end_to_save"] / e2e
+            report["ratios"][f"export_over_{kind}_work"] = report["export_seconds"]["work"] / work
         peak = max(row["peak"] for row in report[f"floor_{kind}"].values())
         report["ratios"]["peak_rss_over_model_bytes"][kind] = peak / model_bytes
         report["ratios"]["added_rss_over_model_bytes"][kind] = (
@@ -484,6 +520,9 @@ def main(argv=None):
         report["convert_plain_save"] = plain = medians(runs["plain"])
         rows("the same, Bridge's save with low_memory_save=False (verify: the model stays alive)", plain,
              CONVERT_ROWS, "start to end of save", end_to_end(runs["plain"], "save"))
+    if args.export:
+        rows("convert export --verify", report["export"], EXPORT_ROWS, "start to end of save HF",
+             report["export_seconds"]["end_to_end_to_save"])
     for kind in ([] if args.no_floor else FLOORS):
         rows(f"floor: {FLOORS[kind]}", report[f"floor_{kind}"], FLOOR_ROWS, "start to end of fsync",
              report[f"floor_{kind}_seconds"]["end_to_end"])
@@ -493,10 +532,16 @@ def main(argv=None):
         for kind in FLOORS:
             say(f"  vs {FLOORS[kind]:22} end to end {ratios[f'convert_over_{kind}_end_to_end']:6.2f}"
                 f"   work only (load HF..save / read+write+fsync) {ratios[f'convert_over_{kind}_work']:6.2f}")
+        if args.export:
+            say("export time / floor time (export without verify):")
+            for kind in FLOORS:
+                say(f"  vs {FLOORS[kind]:22} end to end {ratios[f'export_over_{kind}_end_to_end']:6.2f}"
+                    f"   work only (load HF config..save HF / read+write+fsync) {ratios[f'export_over_{kind}_work']:6.2f}")
     peaks, added = ratios["peak_rss_over_model_bytes"], ratios["added_rss_over_model_bytes"]
     say("peak RSS / model bytes (in brackets: above the process after its imports): " + ", ".join(
         f"{name} {peaks[key]:.2f} ({added[key]:.2f})"
-        for key, name in (("convert", "conversion to save"), ("verify", "verify"), ("raw", "raw floor"),
+        for key, name in (("convert", "conversion to save"), ("verify", "verify"), ("export", "export to save HF"),
+                          ("raw", "raw floor"),
                           ("torch", "torch.save floor"), ("safetensors", "save_file floor")) if key in peaks))
     if args.compare_save:
         low, plain = report["convert"]["save"], report["convert_plain_save"]["save"]
