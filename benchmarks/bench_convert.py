@@ -305,8 +305,7 @@ def run_convert(hf, out, folder, stream, plain_save=False, layout=(), export=Non
     shutil.rmtree(out, ignore_errors=True)
     result, source = run_command(["import", "--hf", hf, "--out", out, "--verify", *layout], folder, stream, plain_save)
     if export:
-        say = stream.write
-        say("  convert export --verify:\n")
+        print("  convert export --verify:", file=stream, flush=True)
         result["export"], _ = run_command(["export", "--megatron", out, "--hf-config", hf, "--out", export, "--verify"],
                                           folder + "-export", stream)
         shutil.rmtree(export, ignore_errors=True)

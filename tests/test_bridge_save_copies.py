@@ -69,9 +69,15 @@ def checkpoint_files(path):
     return found
 
 
-def test_save_keeps_what_owns_its_storage_and_exports_exactly(deep_llama, tmp_path):
-    out = str(tmp_path / "megatron")
-    counts = run_bridge(SAVE, deep_llama, out)
+@pytest.fixture(scope="module")
+def fixed_save(deep_llama, tmp_path_factory):
+    """The save with the fix (or patched Bridge): ``(its checkpoint folder, its counts)``."""
+    out = str(tmp_path_factory.mktemp("fixed") / "megatron")
+    return out, run_bridge(SAVE, deep_llama, out)
+
+
+def test_save_keeps_what_owns_its_storage_and_exports_exactly(deep_llama, fixed_save, tmp_path):
+    out, counts = fixed_save
     assert counts["state"] == expected_state(FIX)
     # The SwiGLU halves (two views per layer) are still copied, nothing else; the two final
     # collections stay.
@@ -81,11 +87,9 @@ def test_save_keeps_what_owns_its_storage_and_exports_exactly(deep_llama, tmp_pa
     assert (exported["equal"], exported["differ"], exported["extra"]) == (exported["source"], [], [])
 
 
-def test_the_unfixed_save_copies_and_collects_and_writes_the_same_bytes(deep_llama, tmp_path, monkeypatch):
-    if MODE != "shim":
-        pytest.skip(f"mode {MODE}: Bridge is patched, there is no unfixed code to run")
-    fixed, unfixed = str(tmp_path / "fixed"), str(tmp_path / "unfixed")
-    run_bridge(SAVE, deep_llama, fixed)
+@pytest.mark.skipif(MODE != "shim", reason=f"mode {MODE}: Bridge is patched, there is no unfixed code to run")
+def test_the_unfixed_save_copies_and_collects_and_writes_the_same_bytes(deep_llama, fixed_save, tmp_path, monkeypatch):
+    fixed, unfixed = fixed_save[0], str(tmp_path / "unfixed")
     monkeypatch.setenv("MCORE_CPU_SHIM_DISABLE", FIX)
     counts = run_bridge(SAVE, deep_llama, unfixed)
     assert counts["state"] == "disabled"

@@ -252,7 +252,7 @@ def test_registered_with_both_directions(capsys):
 
 FAKE_RANK = """
 import json, os, sys, time
-from mcore_cpu_shim.app import convert_worker, worker
+from mcore_cpu_shim.app import convert_worker, launch, worker
 
 spec_path, rank, plan = sys.argv[1], int(os.environ["RANK"]), json.loads(sys.argv[2])
 with open(spec_path) as f:
@@ -262,14 +262,8 @@ phases = worker.Phases(os.path.join(spec["events"], f"rank{rank}.jsonl"))
 
 def every_rank_in(name):  # a rank fails once all are in the phase, as in a collective
     for _ in range(1200):
-        started = 0
-        for r in range(spec["ranks"]):
-            try:
-                with open(os.path.join(spec["events"], f"rank{r}.jsonl")) as f:
-                    started += any(e.get("phase") == name and e.get("started") for e in map(json.loads, f))
-            except OSError:
-                pass
-        if started == spec["ranks"]:
+        every = launch.rank_events(spec["events"], spec["ranks"])
+        if all(any(e.get("phase") == name and e.get("started") for e in events) for events in every):
             return
         time.sleep(0.05)
 
