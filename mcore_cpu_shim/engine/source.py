@@ -89,12 +89,17 @@ def _last_def(node: ast.AST, name: str) -> Optional[ast.AST]:
 
 
 def top_level_imports(tree: ast.Module) -> ast.Module:
-    """What a module target's decision looks at: the module's top-level import statements
-    (an import inside ``try:`` or ``if`` is guarded already and not among them)."""
+    """What a module target's decision looks at: the module's top-level import statements,
+    and a top-level ``try:`` whose every handler raises (it guards nothing: the module still
+    fails to import). An import inside ``if``, or in a ``try:`` that carries on without it,
+    is guarded already and not among them."""
     import ast
 
+    def unguarded(node):
+        return isinstance(node, ast.Try) and all(h.body and isinstance(h.body[-1], ast.Raise) for h in node.handlers)
+
     return ast.Module(
-        body=[node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))],
+        body=[node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom)) or unguarded(node)],
         type_ignores=[],
     )
 

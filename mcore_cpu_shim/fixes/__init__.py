@@ -38,6 +38,7 @@ from . import (  # noqa: E402
     bridge_expert_names,
     bridge_local_experts,
     bridge_local_layers,
+    bridge_modelopt_lazy,
     bridge_process_group,
     bridge_replicated_device,
     bridge_rng_state,
@@ -59,4 +60,5 @@ BRIDGE_FIXES = (
     bridge_replicated_device.FIX,
     bridge_scatter_contiguous.FIX,
     bridge_save_copies.FIX,
+    bridge_modelopt_lazy.FIX,
 )
