@@ -103,7 +103,15 @@ def _devices_seen_by_a_fresh_interpreter():
     return int(result.stdout.split()[-1]) if result.returncode == 0 and result.stdout.split() else None
 
 
+# The test files whose tests run whole conversions or several ranks (up to a minute and more
+# each) go first: pytest-xdist hands out tests in this order, and a session that ends on one of
+# them leaves the other workers idle.
+LONG_FIRST = ("test_convert_torchrun.py", "test_bridge_replicated_device.py", "test_demo.py",
+              "test_bridge_export_complete.py", "test_convert.py", "test_multirank.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: LONG_FIRST.index(item.path.name) if item.path.name in LONG_FIRST else len(LONG_FIRST))
     visible = []
     for item in items:
         if not str(item.path).startswith(HERE + os.sep):

@@ -182,12 +182,24 @@ def test_a_source_that_is_not_the_model_its_config_describes_is_refused(tmp_path
     assert not out.exists()
 
 
+def dtype_of_this_leg():
+    """One of the two dtypes per Bridge leg (an import and an export each, ~40 s of a leg's CI
+    time): float32 with Bridge 0.3.1 (transformers 4), float16 with Bridge main (transformers 5,
+    which names the dtype ``dtype``, not ``torch_dtype``)."""
+    from mcore_cpu_shim import engine
+
+    return "float32" if engine.bridge_version().startswith("0.3.") else "float16"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_a_float32_or_float16_source_comes_back_in_its_dtype(dtype, tmp_path):
     """The checkpoint keeps the source's dtype where --dtype does not say another (the import's
     verify compares with the source as it is), and the export gives it back exactly."""
     import torch
     from mcore_cpu_shim.app import hf_models
+
+    if dtype != dtype_of_this_leg():
+        pytest.skip(f"{dtype}: runs in the other Bridge leg of the matrix (this one: {dtype_of_this_leg()})")
 
     source = hf_models.write("llama", tmp_path / "hf", dtype=dtype)
     imported = convert_process("import", "--hf", source, "--out", tmp_path / "megatron", "--verify")
