@@ -198,8 +198,9 @@ def test_a_float32_or_float16_source_comes_back_in_its_dtype(dtype, tmp_path):
     import torch
     from mcore_cpu_shim.app import hf_models
 
-    if dtype != dtype_of_this_leg():
-        pytest.skip(f"{dtype}: runs in the other Bridge leg of the matrix (this one: {dtype_of_this_leg()})")
+    here = dtype_of_this_leg()
+    if dtype != here:
+        pytest.skip(f"{dtype}: runs in the other Bridge leg of the matrix (this one: {here})")
 
     source = hf_models.write("llama", tmp_path / "hf", dtype=dtype)
     imported = convert_process("import", "--hf", source, "--out", tmp_path / "megatron", "--verify")
