@@ -16,6 +16,7 @@ import importlib
 import os
 import subprocess
 import sys
+import threading
 
 import preloaded
 import pytest
@@ -43,6 +44,8 @@ def pytest_configure(config):
     if not worker:
         env = dict(os.environ, PYTHONPATH=with_tests_dir(os.environ.get("PYTHONPATH")))
         config.preloaded_server = preloaded.start(env)
+        if STATES_FILE:
+            config.recorded_states = start_recording_states()
         if getattr(config.option, "numprocesses", None):
             return  # the xdist controller runs no tests
     for name in (
@@ -70,13 +73,31 @@ print(json.dumps({name: fix["state"] for name, fix in mcore_cpu_shim.status().it
 """
 
 
+def start_recording_states():
+    """Each fix's state, recorded in a child interpreter with this session's environment (so the
+    mode's MCORE_CPU_SHIM_DISABLE) while the tests run: it imports every target (~10 s of CPU),
+    which at the session's end would be time with every core idle. Returns [thread, result]."""
+    recording = [None, None]
+
+    def record():
+        try:
+            recording[1] = run_python(RECORD_STATES)
+        except Exception as exc:  # noqa: BLE001  (raised at the session's end instead)
+            recording[1] = subprocess.CompletedProcess(RECORD_STATES, -1, "", f"{type(exc).__name__}: {exc}")
+
+    recording[0] = threading.Thread(target=record, daemon=True)
+    recording[0].start()
+    return recording
+
+
 def pytest_sessionfinish(session):
-    """For tools/matrix.py: each fix's state in a child interpreter with this session's
-    environment (so the mode's MCORE_CPU_SHIM_DISABLE), written to STATES_FILE."""
-    if STATES_FILE and not hasattr(session.config, "workerinput"):
-        result = run_python(RECORD_STATES)
-        if result.returncode != 0:
-            raise RuntimeError(f"recording the fix states failed:\n{result.stderr}")
+    """For tools/matrix.py: the fix states (start_recording_states), written to STATES_FILE."""
+    recording = getattr(session.config, "recorded_states", None)
+    if recording is not None:
+        recording[0].join(300)
+        result = recording[1]
+        if result is None or result.returncode != 0:
+            raise RuntimeError(f"recording the fix states failed:\n{result.stderr if result else 'no result in 300 s'}")
         with open(STATES_FILE, "w") as out:
             out.write(result.stdout.strip().splitlines()[-1])
 

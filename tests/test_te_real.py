@@ -15,6 +15,7 @@ same save with TE blocked.
 
 import importlib.metadata
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from helpers import MODE, run_python, run_ranks
@@ -158,7 +159,11 @@ def test_te_imported_before_the_shim_is_left_alone_with_a_warning():
 
 @pytest.mark.cuda_hidden
 def test_doctor_tells_the_truth():
-    result = cli("doctor", "--json")
+    # The three reports at once (each a fresh interpreter importing every target, ~10 s).
+    with ThreadPoolExecutor(3) as pool:
+        runs = [pool.submit(cli, *args, **env) for args, env in [
+            (("doctor", "--json"), {}), (("doctor",), {}), (("doctor", "--json"), {"MCORE_CPU_SHIM_TE": "off"})]]
+        result, text, unguarded = (run.result() for run in runs)
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
     report = json.loads(result.stdout)
     te = report["transformer_engine"]
@@ -174,11 +179,9 @@ def test_doctor_tells_the_truth():
     assert report["problems"] == []
     assert report["cuda"]["usable"] is False and report["cuda"]["initialised"] is False
 
-    text = cli("doctor")
     assert text.returncode == 0
     assert f"Transformer Engine  {te['reason']}\n" in text.stdout  # the text says what the JSON says
 
-    unguarded = cli("doctor", "--json", MCORE_CPU_SHIM_TE="off")
     assert unguarded.returncode == 1, unguarded.stderr[-3000:]
     report = json.loads(unguarded.stdout)
     te = report["transformer_engine"]

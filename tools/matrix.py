@@ -40,6 +40,8 @@ python tools/matrix.py patch VERSION
     patch, whether it applies.
 """
 
+import contextlib
+import fcntl
 import functools
 import json
 import os
@@ -66,6 +68,23 @@ MODE_ENV = {
 NOT_HERE = "not applicable (no such file)"
 NO_TESTS_COLLECTED = 5  # pytest's exit code, e.g. a leg with no tests in patched+shim
 WORKERS = ["-n", os.environ.get("MATRIX_WORKERS", str(min(4, os.cpu_count() or 1)))]
+
+@contextlib.contextmanager
+def one_environment_at_a_time(what):
+    """Hold the machine's cores for ``what`` (a tox environment's tests). ``tox -p all`` (the
+    README's test command) sets up every environment at once, so the later environments'
+    installs, mostly downloads (py312's CUDA torch, the bridge extra), go on beside the first
+    one's tests; the tests themselves take every core (pytest-xdist), so the environments run
+    them one after another, in the order their installs finish."""
+    RESULTS.mkdir(exist_ok=True)
+    with open(RESULTS / ".cores.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"{what}: waiting while another tox environment runs its tests", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
 
 def series(folder=PATCHES):
     lines = (folder / "series").read_text().splitlines()
@@ -461,4 +480,5 @@ if __name__ == "__main__":
             drift.append(next(words))
         else:
             versions.append(word)
-    sys.exit(test(versions, rest[split + 1:], drift))
+    with one_environment_at_a_time(f"matrix {' '.join(versions)}"):
+        sys.exit(test(versions, rest[split + 1:], drift))

@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
-from matrix import leg_counts, overlay, tree_env  # noqa: E402  (the matrix's megatron-core trees)
+from matrix import leg_counts, one_environment_at_a_time, overlay, tree_env  # noqa: E402  (the matrix's megatron-core trees)
 
 WHEELS = ROOT.parent / "shared" / "wheels"
 MCORE = "0.19.2"
@@ -148,4 +148,5 @@ def run_installs(pin, env, pytest_args):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    with one_environment_at_a_time("te leg"):
+        sys.exit(main(sys.argv[1:]))
