@@ -16,7 +16,7 @@ import importlib
 import os
 import subprocess
 import sys
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import preloaded
 import pytest
@@ -76,17 +76,10 @@ print(json.dumps({name: fix["state"] for name, fix in mcore_cpu_shim.status().it
 def start_recording_states():
     """Each fix's state, recorded in a child interpreter with this session's environment (so the
     mode's MCORE_CPU_SHIM_DISABLE) while the tests run: it imports every target (~10 s of CPU),
-    which at the session's end would be time with every core idle. Returns [thread, result]."""
-    recording = [None, None]
-
-    def record():
-        try:
-            recording[1] = run_python(RECORD_STATES)
-        except Exception as exc:  # noqa: BLE001  (raised at the session's end instead)
-            recording[1] = subprocess.CompletedProcess(RECORD_STATES, -1, "", f"{type(exc).__name__}: {exc}")
-
-    recording[0] = threading.Thread(target=record, daemon=True)
-    recording[0].start()
+    which at the session's end would be time with every core idle. Returns its future."""
+    pool = ThreadPoolExecutor(1)
+    recording = pool.submit(run_python, RECORD_STATES)
+    pool.shutdown(wait=False)
     return recording
 
 
@@ -94,10 +87,9 @@ def pytest_sessionfinish(session):
     """For tools/matrix.py: the fix states (start_recording_states), written to STATES_FILE."""
     recording = getattr(session.config, "recorded_states", None)
     if recording is not None:
-        recording[0].join(300)
-        result = recording[1]
-        if result is None or result.returncode != 0:
-            raise RuntimeError(f"recording the fix states failed:\n{result.stderr if result else 'no result in 300 s'}")
+        result = recording.result(300)
+        if result.returncode != 0:
+            raise RuntimeError(f"recording the fix states failed:\n{result.stderr}")
         with open(STATES_FILE, "w") as out:
             out.write(result.stdout.strip().splitlines()[-1])
 
