@@ -69,12 +69,13 @@ NOT_HERE = "not applicable (no such file)"
 NO_TESTS_COLLECTED = 5  # pytest's exit code, e.g. a leg with no tests in patched+shim
 WORKERS = ["-n", os.environ.get("MATRIX_WORKERS", str(min(4, os.cpu_count() or 1)))]
 
+
 @contextlib.contextmanager
 def one_environment_at_a_time(what):
     """Hold the machine's cores for ``what`` (a tox environment's tests). ``tox -p all`` (the
     README's test command) sets up every environment at once, so the later environments'
-    installs, mostly downloads (py312's CUDA torch, the bridge extra), go on beside the first
-    one's tests; the tests themselves take every core (pytest-xdist), so the environments run
+    installs (downloading and unpacking py312's CUDA torch, the bridge extra) go on beside the
+    first one's tests; the tests themselves take every core (pytest-xdist), so the environments run
     them one after another, in the order their installs finish."""
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / ".cores.lock", "w") as lock:
